@@ -1,0 +1,190 @@
+"""``qattn``: the one documented entry point. Checks its arguments once, then picks a path.
+
+Layouts: ``"HND"`` is (batch, heads, tokens, head_dim), ``"NHD"`` is (batch, tokens, heads,
+head_dim); the output has q's layout, shape and dtype. Q has ``Hq`` heads, K and V ``Hk``, with
+``Hq % Hk == 0`` (GQA/MQA). Paths:
+
+- ``triton``: the GPU kernels (CUDA tensors on compute capability ≥ 8.0, Triton installed, head
+  dim ≤ 256); under ``TRITON_INTERPRET=1`` also CPU tensors (how the tests run them);
+- ``reference``: the PyTorch simulation of the same math (CPU tensors, or asked for);
+- ``sdpa``: full-precision ``scaled_dot_product_attention`` for a CUDA case the kernels do not
+  serve — counted and warned once per reason (:func:`hf_qattn.fallback_stats`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import torch
+
+from . import reference, stats
+
+QK_CHOICES = ("int8", "int4")
+PV_CHOICES = ("fp8", "fp16")
+LAYOUTS = ("HND", "NHD")
+BACKENDS = ("auto", "triton", "reference")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_KERNEL_HEAD_DIM = 256
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _check_range(name: str, t: torch.Tensor | None, batch: int, nk: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} must be an int32/int64 tensor of shape (batch,) = ({batch},)")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({device}); got {t.device}")
+    if t.device.type == "cpu" and bool(((t < 0) | (t > nk)).any()):
+        raise ValueError(f"{name} values must lie in [0, {nk}] (the key length)")
+
+
+def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
+    _choice("qk", qk, QK_CHOICES)
+    _choice("pv", pv, PV_CHOICES)
+    _choice("layout", layout, LAYOUTS)
+    _choice("backend", backend, BACKENDS)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions ({layout}); got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16 or float32; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    hnd = [t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v)]
+    (b, hq, _, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = (t.shape for t in hnd)
+    if not (b == bk == bv):
+        raise ValueError(f"q, k and v must have the same batch size; got {b}, {bk}, {bv}")
+    if not (d == dk == dv):
+        raise ValueError(f"q, k and v must have the same head_dim; got {d}, {dk}, {dv}")
+    if d == 0:
+        raise ValueError("head_dim must be at least 1")
+    if (hk, nk) != (hv, nv):
+        raise ValueError(f"k and v must have the same heads and tokens; got {(hk, nk)} and {(hv, nv)}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"q's heads ({hq}) must be a positive multiple of k/v's heads ({hk})")
+    _check_range("kv_start", kv_start, b, nk, q.device)
+    _check_range("kv_end", kv_end, b, nk, q.device)
+    return hnd
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        from hf_qattn.kernels import launch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel_gap(q: torch.Tensor) -> str | None:
+    """Why the kernels cannot serve a CUDA call, or None when they can."""
+    if not _triton_available():
+        return "Triton is not installed"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "GPU compute capability below 8.0"
+    if q.shape[-1] > MAX_KERNEL_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} > {MAX_KERNEL_HEAD_DIM}"
+    return None
+
+
+def _has_fp8_mma(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def qattn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    sm_scale: float | None = None,
+    qk: Literal["int8", "int4"] = "int8",
+    pv: Literal["fp8", "fp16"] = "fp8",
+    layout: Literal["HND", "NHD"] = "HND",
+    smooth_q: bool = True,
+    smooth_k: bool = True,
+    smooth_v: bool = True,
+    return_lse: bool = False,
+    kv_start: torch.Tensor | None = None,
+    kv_end: torch.Tensor | None = None,
+    backend: Literal["auto", "triton", "reference"] = "auto",
+):
+    """Quantized attention: Q·Kᵀ in INT8 or INT4 range, P·V in FP8 (E4M3), with Q/K/V smoothing.
+
+    Args:
+        q, k, v: float16 / bfloat16 / float32 tensors in ``layout``; k and v may have fewer heads.
+        is_causal: mask keys right of the diagonal, aligned bottom-right when Nq ≠ Nk.
+        sm_scale: softmax scale, default 1/sqrt(head_dim).
+        qk: ``"int8"`` (±127) or ``"int4"`` (±7). On Hopper both run on the INT8 tensor cores.
+        pv: ``"fp8"`` (E4M3) or ``"fp16"``. GPUs without FP8 tensor cores (sm80/86) run ``"fp16"``.
+        smooth_q, smooth_k, smooth_v: subtract per-channel centers (exact; only error changes).
+        return_lse: also return the log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
+        kv_start, kv_end: optional (batch,) int tensors; sequence b sees keys [start, end) —
+            left/right padding without a mask tensor.
+        backend: ``"auto"`` (kernels on capable GPUs, reference on CPU), or force one path.
+
+    Returns the output in q's layout, shape and dtype; with ``return_lse``, ``(out, lse)``.
+    Rows that see no key give zeros (lse −inf).
+    """
+    qh, kh, vh = _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    b, hq, nq, d = qh.shape
+    nk = kh.shape[2]
+    if nq == 0 or nk == 0:  # nothing to attend: zeros (and lse −inf), as FlashAttention
+        out = torch.zeros_like(q)
+        lse = torch.full((b, hq, nq), -math.inf, device=q.device)
+        return (out, lse) if return_lse else out
+
+    path = backend
+    if path == "auto":
+        path = "reference" if q.device.type == "cpu" else "triton"
+    if path == "triton" and q.device.type == "cuda":
+        gap = _kernel_gap(q)
+        if gap is not None:
+            if backend == "triton":
+                raise RuntimeError(f"backend='triton' cannot serve this call: {gap}")
+            stats.record_fallback(gap)
+            result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,
+                                              kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
+            out, lse = result if return_lse else (result, None)
+            out = out if layout == "HND" else out.transpose(1, 2)
+            return (out, lse) if return_lse else out
+        if pv == "fp8" and not _has_fp8_mma(q.device):
+            pv = "fp16"
+    elif path == "triton" and not _triton_available():
+        raise RuntimeError("backend='triton' needs Triton installed")
+    stats.record_call(path)
+
+    if path == "reference":
+        from hf_qattn.kernels.tuning import attention_config, reference_settings
+
+        settings = reference_settings(attention_config("sm90", d, is_causal, pv))
+        result = reference.quantized_attention(
+            qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv="fp8_e4m3" if pv == "fp8" else "fp16",
+            smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end,
+            return_lse=return_lse, **settings)
+        out, lse = result if return_lse else (result, None)
+        out = out if layout == "HND" else out.transpose(1, 2).contiguous()
+        return (out, lse) if return_lse else out
+
+    from hf_qattn.kernels import launch
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out_h = out if layout == "HND" else out.transpose(1, 2)
+    lse = launch.quantized_attention(
+        qh, kh, vh, out_h, is_causal=is_causal, sm_scale=sm_scale, qk=qk, v_fp8=pv == "fp8",
+        smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end,
+        return_lse=return_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,116 @@
+"""Quantization primitives of the method, in plain PyTorch (float32 math).
+
+Shared by the reference attention, the kernel launchers (which must use the very same smoothing
+centers) and the calibration code. Layout: tensors are (batch, heads, tokens, dim) here.
+
+Rounding is round-to-nearest-even (``torch.round``) followed by clamping to the integer range,
+which is what the kernels do (``rint`` then clamp). A group whose values are all zero gets the
+tiny scale ``SCALE_FLOOR`` so that quantizing it yields zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Largest representable magnitude of each low-precision format.
+INT_MAX = {"int8": 127.0, "int4": 7.0}
+FLOAT_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+FLOAT_DTYPE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+QK_FORMATS = ("int8", "int4", "none")
+PV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp16", "none")
+GRANULARITIES = ("tensor", "block", "warp", "token")
+V_GRANULARITIES = ("channel", "block")
+
+SCALE_FLOOR = 1e-30
+
+
+def smoothing_center(x: torch.Tensor, sample: int | None = None) -> torch.Tensor:
+    """Per-(batch, head) channel center of ``x`` (B, H, N, D) → (B, H, D), float32.
+
+    Smoothing subtracts this vector from every token. The result of attention does not depend
+    on which vector is subtracted (the corrections ΔS and v̄ undo it exactly); only the
+    quantization error does. ``sample=None`` is the exact mean over tokens; ``sample=s`` is the
+    mean over an evenly strided subset of at most ``s`` tokens, which removes the channel-wise
+    offset just as well at a fraction of the memory traffic (the kernels use it by default).
+    """
+    n = x.shape[-2]
+    if n == 0:
+        return x.new_zeros(x.shape[:-2] + x.shape[-1:], dtype=torch.float32)
+    if sample is not None and n > sample:
+        x = x[..., :: math.ceil(n / sample), :]
+    return x.mean(dim=-2, dtype=torch.float32)
+
+
+def group_rows(granularity: str, block_rows: int, warp_rows: int) -> int | None:
+    """Rows sharing one scale: None means the whole tensor."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    return {"tensor": None, "block": block_rows, "warp": warp_rows, "token": 1}[granularity]
+
+
+def row_scales(x: torch.Tensor, qmax: float, rows: int | None) -> torch.Tensor:
+    """Scale of each token row of ``x`` (B, H, N, D) → (B, H, N): max|x| over its group / qmax.
+
+    Groups are ``rows`` consecutive tokens counted from token 0 of each (batch, head), i.e.
+    aligned to the kernel's tiles; the last group may be short.
+    """
+    b, h, n, d = x.shape
+    if n == 0:
+        return x.new_zeros(b, h, 0)
+    if rows is None:
+        amax = x.abs().amax().expand(b, h, n)
+    else:
+        groups = math.ceil(n / rows)
+        padded = torch.nn.functional.pad(x.abs(), (0, 0, 0, groups * rows - n))
+        amax = padded.reshape(b, h, groups, rows * d).amax(-1)
+        amax = amax.repeat_interleave(rows, dim=-1)[..., :n]
+    return amax.clamp_min(SCALE_FLOOR) / qmax
+
+
+def quantize_int(x: torch.Tensor, qmax: float, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric integer quantization; returns (integer values held in float32, per-row scale)."""
+    scale = row_scales(x, qmax, rows)
+    return torch.round(x / scale[..., None]).clamp_(-qmax, qmax), scale
+
+
+def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize V (B, H, N, D) per channel, over all tokens or per key tile of ``block_n`` tokens.
+
+    Returns (quantized values as float32, scale of shape (B, H, tiles, D)) where tile ``t``
+    covers tokens [t·block_n, (t+1)·block_n); with per-channel granularity every tile holds the
+    same scale. ``fp16`` and ``none`` keep V as it is (scale 1; fp16 rounds the values).
+    """
+    b, h, n, d = v.shape
+    tiles = max(1, math.ceil(n / block_n))
+    if fmt in ("none", "fp16"):
+        vq = v.to(torch.float16).float() if fmt == "fp16" else v
+        return vq, v.new_ones(b, h, tiles, d)
+    if granularity not in V_GRANULARITIES:
+        raise ValueError(f"v_granularity must be one of {V_GRANULARITIES}, got {granularity!r}")
+    qmax = INT_MAX["int8"] if fmt == "int8" else FLOAT_MAX[fmt]
+    if granularity == "channel":
+        amax = v.abs().amax(dim=-2, keepdim=True).expand(b, h, tiles, d)
+    else:
+        padded = torch.nn.functional.pad(v.abs(), (0, 0, 0, tiles * block_n - n))
+        amax = padded.reshape(b, h, tiles, block_n, d).amax(-2)
+    scale = amax.clamp_min(SCALE_FLOOR) / qmax
+    per_token = scale.repeat_interleave(block_n, dim=-2)[..., :n, :]
+    scaled = v / per_token
+    if fmt == "int8":
+        return torch.round(scaled).clamp_(-qmax, qmax), scale
+    return scaled.to(FLOAT_DTYPE[fmt]).float(), scale
+
+
+def quantize_p(p: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float]:
+    """Static quantization of the softmax numerator P̃ ∈ [0, 1]: returns (P̂, the factor applied)."""
+    if fmt == "none":
+        return p, 1.0
+    if fmt == "fp16":
+        return p.to(torch.float16).float(), 1.0
+    if fmt == "int8":
+        return torch.round(p * INT_MAX["int8"]), INT_MAX["int8"]
+    qmax = FLOAT_MAX[fmt]
+    return (p * qmax).to(FLOAT_DTYPE[fmt]).float(), qmax

@@ -1,0 +1,53 @@
+"""Counts of where attention calls went, and warn-once reporting of fallbacks.
+
+Every call of :func:`hf_qattn.qattn` (and of the integrations) is counted under the path that
+served it: ``triton`` (the GPU kernels), ``reference`` (the PyTorch simulation, used for CPU
+tensors) or ``sdpa`` (full-precision fallback). A fallback is also counted under its reason and
+warned about once per reason, so nothing degrades silently.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+
+_lock = threading.Lock()
+_calls: Counter = Counter()
+_fallbacks: Counter = Counter()
+_warned: set[str] = set()
+
+
+def record_call(path: str) -> None:
+    with _lock:
+        _calls[path] += 1
+
+
+def record_fallback(reason: str) -> None:
+    """Count a call served by full-precision SDPA because of ``reason``; warn the first time."""
+    with _lock:
+        _calls["sdpa"] += 1
+        _fallbacks[reason] += 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(
+            f"hf_qattn: falling back to full-precision SDPA: {reason} "
+            "(warned once; see hf_qattn.fallback_stats() for counts)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def fallback_stats() -> dict:
+    """``{"calls": {path: n}, "fallbacks": {reason: n}}`` since start or the last reset."""
+    with _lock:
+        return {"calls": dict(_calls), "fallbacks": dict(_fallbacks)}
+
+
+def reset_fallback_stats() -> None:
+    """Zero the counters and re-arm the once-per-reason warnings."""
+    with _lock:
+        _calls.clear()
+        _fallbacks.clear()
+        _warned.clear()

@@ -1,0 +1,159 @@
+"""The attention kernel: INT8/INT4-range Q·Kᵀ, online softmax in FP32, FP8 P·V.
+
+One program per (tile of BLOCK_M query rows, batch·query-head); the query tile's K/V head is
+head // GROUPS (GQA/MQA without copying K/V). Q arrives in the model's dtype and is smoothed
+and quantized here, once per program, into per-row-group scales (Q_GROUP rows share one; 16 is
+one warp's rows on Hopper). K, V, their scales and ΔS come from ``quantize_kv_kernel``.
+
+Per key tile (``_key_tiles``):
+    S  = (Q̂·K̂ᵀ) · (δQ·sm_scale·log2 e) · δK + ΔS           int32 MMA, then FP32
+    m' = max(m, rowmax S),  P̃ = 2^(S − m'),  α = 2^(m − m')
+    l  = α·l + ΣP̃
+    O  = α·O + (P̃·448 → FP8) · V̂ · δV/448    each tile's product in a fresh accumulator
+                                               ("two-level accumulation"), added in FP32
+Epilogue: O / l + v̄ in the output dtype; optionally lse = (m + log2 l)·ln 2 + sm_scale·q·k̄.
+
+Masking: keys of a sequence outside [kv_start, kv_end), and, when causal, keys right of the
+query's diagonal (aligned bottom-right). Tiles wholly outside are skipped, not masked; only the
+few tiles that straddle a boundary run the masked variant of the loop.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import SCALE_FLOOR, quantize_symmetric, to_fp8_e4m3
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _key_tiles(
+    acc, l_i, m_i, q_int, q_coef, offs_m, offs_d,
+    KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
+    lo, hi, kv_lo, kv_hi, diag_offset, NK_PAD,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, GRID_ROUND: tl.constexpr,
+):
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tile = start // BLOCK_N
+        # -- scores: integer MMA, dequantized by the outer product of the scales, plus ΔS
+        k = tl.load(KQ_bh + offs_n[None, :] * D_PAD + offs_d[:, None])  # (D_PAD, BLOCK_N), K-major
+        qk = tl.dot(q_int, k).to(tl.float32)
+        if K_TOKEN_SCALE:
+            s = qk * (q_coef[:, None] * tl.load(KS_bh + offs_n)[None, :])
+        else:
+            s = qk * (q_coef * tl.load(KS_bh + tile))[:, None]
+        s += tl.load(DS_bhq + offs_n)[None, :]
+        if MASKED:
+            visible = ((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag_offset)
+            s = tl.where(visible, s, float("-inf"))
+        # -- online softmax in base 2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # -- P·V in a fresh accumulator, then scaled and added to the FP32 output
+        v = tl.load(VQ_bh + offs_n[:, None] + offs_d[None, :] * NK_PAD)  # (BLOCK_N, D_PAD)
+        if V_FP8:
+            pv = tl.dot(to_fp8_e4m3(p * 448.0, GRID_ROUND), v)
+        else:
+            pv = tl.dot(p.to(tl.float16), v)
+        v_scale = tl.load(VS_bh + tile * D_PAD + offs_d)
+        acc = acc * alpha[:, None] + pv * v_scale[None, :]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_kernel(
+    Q, KQ, KS, VQ, VS, DS, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, O, LSE,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q_GROUP: tl.constexpr, QK_MAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, RETURN_LSE: tl.constexpr, GRID_ROUND: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bhq = tl.program_id(1)  # b·Hq + h
+    b = (bhq // HQ).to(tl.int64)
+    h = bhq % HQ
+    bhk = b * (HQ // GROUPS) + h // GROUPS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < NQ
+    col_ok = offs_d < HEAD_DIM
+
+    # --- Q: load once, smooth, quantize per group of Q_GROUP rows; fold sm_scale·log2 e into δQ
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    q_bar = tl.load(Q_BAR + bhq * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
+    qs = tl.where(row_ok[:, None] & col_ok[None, :], q - q_bar[None, :], 0.0)
+    row_max = tl.max(tl.abs(qs), axis=1)
+    if Q_GROUP > 1:
+        group_max = tl.max(tl.reshape(row_max, (BLOCK_M // Q_GROUP, Q_GROUP)), axis=1)
+        row_max = tl.reshape(tl.broadcast_to(group_max[:, None], (BLOCK_M // Q_GROUP, Q_GROUP)), (BLOCK_M,))
+    q_scale = tl.maximum(row_max, SCALE_FLOOR) / QK_MAX
+    q_int = quantize_symmetric(qs, q_scale[:, None], QK_MAX)
+    q_coef = q_scale * score_coef
+
+    # --- which key tiles to visit: [kv_lo, kv_hi) ∩ causal, split into masked edges and a clean middle
+    kv_lo = 0
+    kv_hi = NK
+    if HAS_KV_RANGE:
+        kv_lo = tl.load(KV_START + b)
+        kv_hi = tl.load(KV_END + b)
+    diag_offset = NK - NQ
+    hi = kv_hi
+    clean_hi = kv_hi // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
+        hi = tl.minimum(hi, last_row + diag_offset + 1)  # keys right of this are masked for every row
+        clean_hi = tl.minimum(clean_hi, (pid_m * BLOCK_M + diag_offset + 1) // BLOCK_N * BLOCK_N)
+    first = kv_lo // BLOCK_N * BLOCK_N
+    clean_lo = tl.cdiv(kv_lo, BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, first)
+    clean_hi = tl.maximum(clean_hi, clean_lo)
+
+    KQ_bh = KQ + bhk.to(tl.int64) * NK_PAD * D_PAD
+    VQ_bh = VQ + bhk.to(tl.int64) * D_PAD * NK_PAD
+    VS_bh = VS + bhk * NUM_TILES * D_PAD
+    DS_bhq = DS + bhq.to(tl.int64) * NK_PAD
+    if K_TOKEN_SCALE:
+        KS_bh = KS + bhk.to(tl.int64) * NK_PAD
+    else:
+        KS_bh = KS + bhk * NUM_TILES
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # left edge (a tile cut by kv_start), clean middle, right edge (cut by kv_end or the diagonal)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, offs_d, KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
+                               first, tl.minimum(clean_lo, hi), kv_lo, kv_hi, diag_offset, NK_PAD,
+                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, GRID_ROUND)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, offs_d, KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
+                               clean_lo, clean_hi, kv_lo, kv_hi, diag_offset, NK_PAD,
+                               D_PAD, BLOCK_N, False, CAUSAL, K_TOKEN_SCALE, V_FP8, GRID_ROUND)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, offs_d, KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
+                               tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi, diag_offset, NK_PAD,
+                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, GRID_ROUND)
+
+    # --- epilogue: normalize, add v̄ back; rows that saw no key are zero
+    seen = l_i > 0.0
+    v_bar = tl.load(V_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
+    out = tl.where(seen[:, None], acc / l_i[:, None] + v_bar[None, :], 0.0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if RETURN_LSE:
+        # K was smoothed: add back sm_scale·q·k̄ so the lse is that of the unsmoothed scores
+        k_bar = tl.load(K_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
+        shift = tl.sum(q * k_bar[None, :], axis=1) * (score_coef / LOG2E)
+        lse = tl.where(seen, (m_i + tl.math.log2(l_i)) / LOG2E + shift, float("-inf"))
+        tl.store(LSE + bhq.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)

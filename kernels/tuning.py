@@ -1,0 +1,68 @@
+"""Tile configurations from ``configs/kernels.json`` (shipped as ``hf_qattn.configs``), chosen per call.
+
+A configuration is the default entry updated, in order, by every rule whose named keys all match
+the call: ``arch`` (``"sm90"``…, or ``"interpreter"`` under TRITON_INTERPRET), ``head_dim`` (padded),
+``causal`` and ``pv``. The benchmark writes better rules back into the file, not into code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from importlib import resources
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> dict:
+    return json.loads(resources.files("hf_qattn.configs").joinpath("kernels.json").read_text())
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def arch_of(device: torch.device) -> str:
+    if interpreting() or device.type != "cuda":
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Power of two ≥ head_dim and ≥ 32 (the K depth of one INT8 tensor-core instruction)."""
+    return max(32, 1 << (head_dim - 1).bit_length())
+
+
+def attention_config(arch: str, head_dim: int, causal: bool, pv: str) -> dict:
+    entry = table()["attention"]
+    config = dict(entry["default"])
+    call = {"arch": arch, "head_dim": padded_head_dim(head_dim), "causal": causal, "pv": pv}
+    for rule in entry["rules"]:
+        if all(rule[key] == value for key, value in call.items() if key in rule):
+            config.update({key: value for key, value in rule.items() if key not in call})
+    return config
+
+
+def center_sample() -> int:
+    return int(table()["center_sample"])
+
+
+def quantize_num_warps() -> int:
+    return int(table()["quantize"]["num_warps"])
+
+
+def reference_settings(config: dict) -> dict:
+    """Keywords for :func:`hf_qattn.reference.quantized_attention` that simulate ``config`` tile for tile."""
+    q_group = config["Q_GROUP"]
+    return {
+        "block_m": config["BLOCK_M"],
+        "block_n": config["BLOCK_N"],
+        "warp_rows": q_group,
+        "q_granularity": "token" if q_group == 1 else "block" if q_group == config["BLOCK_M"] else "warp",
+        "k_granularity": "token" if config["K_TOKEN_SCALE"] else "block",
+        "v_granularity": "block",
+        "center_sample": center_sample(),
+    }
