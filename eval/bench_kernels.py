@@ -1,0 +1,264 @@
+"""Kernel benchmark on a CUDA GPU: correctness, accuracy and speed of qattn vs torch SDPA, one table.
+
+    python eval/bench_kernels.py                 # full sweep, writes eval/results/kernels-<gpu>-<date>.md
+    python eval/bench_kernels.py --quick         # a few shapes
+    python eval/bench_kernels.py --tune          # also time tile configurations and print the best
+
+Sections (all in one run, quantization included in qattn's time):
+  1. check    — kernels vs the PyTorch reference with the same tiles, on small ragged shapes;
+  2. accuracy — CosSim / RelL1 against FP32 attention on synthetic outlier inputs (eval/synthetic.py);
+  3. speed    — TOPS = 4·B·H·Nq·Nk·d / time (half of that for causal), median of do_bench, for
+                qattn-8b, qattn-4b, SDPA cuDNN, SDPA flash and, when installed, sageattention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from synthetic import outlier_qkv  # noqa: E402
+
+import hf_qattn  # noqa: E402
+from hf_qattn import reference  # noqa: E402
+from hf_qattn.kernels import launch, tuning  # noqa: E402
+from hf_qattn.metrics import accuracy  # noqa: E402
+
+SDPA = torch.nn.attention.SDPBackend
+
+try:
+    from sageattention import sageattn
+except ImportError:  # optional peer
+    sageattn = None
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+def check(dtype):
+    """Kernel vs reference (same tiles, same smoothing centers) on shapes that cut tiles raggedly."""
+    rows = []
+    cases = [
+        dict(b=2, hq=4, hk=2, nq=300, nk=300, d=128, causal=False),
+        dict(b=2, hq=4, hk=2, nq=300, nk=300, d=128, causal=True),
+        dict(b=1, hq=8, hk=1, nq=77, nk=513, d=64, causal=True),
+        dict(b=2, hq=2, hk=2, nq=1, nk=1000, d=128, causal=True),
+        dict(b=1, hq=2, hk=2, nq=200, nk=200, d=96, causal=False),
+        dict(b=1, hq=2, hk=1, nq=130, nk=130, d=256, causal=True),
+    ]
+    for case in cases:
+        for qk in ("int8", "int4"):
+            q, k, v = outlier_qkv(case["b"], case["hq"], max(case["nq"], case["nk"]), case["d"], kv_heads=case["hk"],
+                                  seed=len(rows), dtype=dtype, device="cuda")
+            q, k, v = q[:, :, :case["nq"]], k[:, :, :case["nk"]], v[:, :, :case["nk"]]
+            out, lse = hf_qattn.qattn(q, k, v, is_causal=case["causal"], qk=qk, return_lse=True)
+            config = tuning.attention_config(tuning.arch_of(q.device), case["d"], case["causal"], "fp8")
+            ref, ref_lse = reference.quantized_attention(
+                q, k, v, is_causal=case["causal"], qk=qk, return_lse=True, **tuning.reference_settings(config))
+            exact = reference.exact_attention(q, k, v, is_causal=case["causal"])
+            diff = (out.float() - ref.float()).abs()
+            tol = 0.02 * ref.float().abs().amax().item()  # a couple of FP8 steps of the largest output
+            rows.append({
+                **case, "qk": qk, "max|kern-ref|": diff.max().item(), "frac>tol": (diff > tol).float().mean().item(),
+                "max|lse diff|": (lse - ref_lse).abs().max().item(),
+                "kern RelL1": accuracy(out, exact).rel_l1, "ref RelL1": accuracy(ref, exact).rel_l1,
+            })
+    return rows
+
+
+def accuracy_rows(dtype, n=4096, heads=8):
+    rows = []
+    for d in (64, 128):
+        q, k, v = outlier_qkv(1, heads, n, d, seed=d, dtype=dtype, device="cuda")
+        for causal in (False, True):
+            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+            methods = {
+                "qattn-8b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int8"),
+                "qattn-4b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int4"),
+                "sdpa-" + str(dtype).split(".")[-1]: lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal),
+            }
+            if sageattn is not None:
+                methods["sageattn-1.0.6"] = lambda: sageattn(q, k, v, is_causal=causal)
+            for name, fn in methods.items():
+                acc = accuracy(fn(), ref)
+                rows.append({"d": d, "N": n, "causal": causal, "method": name,
+                             "CosSim": acc.cos_sim, "RelL1": acc.rel_l1, "RMSE": acc.rmse})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+def sdpa_with(backend, q, k, v, causal):
+    def run():
+        with torch.nn.attention.sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def time_ms(fn):
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=50, rep=200, return_mode="median")
+    except Exception as exc:  # a backend that does not take this shape: report, keep going
+        log(f"    ({type(exc).__name__}: {str(exc)[:120]})")
+        return float("nan")
+
+
+def speed_rows(dtypes, dims, lengths, batch=4, heads=32):
+    rows = []
+    for dtype in dtypes:
+        for d in dims:
+            for causal in (False, True):
+                for n in lengths:
+                    q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
+                    flops = 4 * batch * heads * n * n * d * (0.5 if causal else 1.0)
+                    methods = {
+                        "qattn-8b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int8"),
+                        "qattn-4b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int4"),
+                        "cudnn": sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal),
+                        "flash": sdpa_with(SDPA.FLASH_ATTENTION, q, k, v, causal),
+                    }
+                    if sageattn is not None:
+                        methods["sage1"] = lambda: sageattn(q, k, v, is_causal=causal)
+                    row = {"dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
+                    for name, fn in methods.items():
+                        ms = time_ms(fn)
+                        row[name] = flops / (ms * 1e-3) / 1e12
+                    rows.append(row)
+                    log("   ", fmt_row(row, list(methods)))
+                    del q, k, v
+    return rows
+
+
+def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
+    """Split one qattn-8b call into its launches, to see where time goes."""
+    q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    sample = tuning.center_sample()
+    from hf_qattn.quant import smoothing_center
+    centers = time_ms(lambda: [smoothing_center(t, sample) for t in (q, k, v)])
+    total = time_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=causal))
+    # the quantize kernel alone: time the launcher with an attention of zero query rows
+    quant_only = time_ms(lambda: launch.quantized_attention(
+        q[:, :, :0], k, v, torch.empty_like(q[:, :, :0]), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
+        v_fp8=True, smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False))
+    return {"shape": f"B{batch} H{heads} N{n} d{d} causal={causal}", "centers_ms": centers,
+            "centers+quantize_ms": quant_only, "total_ms": total, "attention_ms(est)": total - quant_only}
+
+
+def tune(dtype, shapes):
+    """Time tile configurations of the attention kernel on a few shapes; print the best per shape."""
+    candidates = []
+    for block_m in (64, 128):
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    candidates.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "Q_GROUP": 16,
+                                       "K_TOKEN_SCALE": False, "num_warps": warps, "num_stages": stages})
+    results = []
+    for d, n, causal in shapes:
+        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=dtype) for _ in range(3))
+        out = torch.empty_like(q)
+        flops = 4 * 4 * 32 * n * n * d * (0.5 if causal else 1.0)
+        timed = []
+        for config in candidates:
+            ms = time_ms(lambda: launch.quantized_attention(
+                q, k, v, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
+                smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False, config=config))
+            timed.append((flops / (ms * 1e-3) / 1e12, config))
+        timed.sort(key=lambda t: -t[0] if t[0] == t[0] else 0)
+        for tops, config in timed[:3]:
+            results.append({"d": d, "N": n, "causal": causal, "TOPS": tops, **config})
+            log("    tune", d, n, causal, f"{tops:.0f}", config)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+def fmt(value):
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 10 else f"{value:.0f}"
+    return str(value)
+
+
+def fmt_row(row, keys):
+    return " ".join(f"{key}={fmt(row[key])}" for key in ["dtype", "d", "causal", "N"] + keys if key in row)
+
+
+def markdown(rows):
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(row.get(key, "")) for key in keys) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--tune", action="store_true", help="also sweep tile configurations")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--out", default=None, help="markdown file to write (default eval/results/kernels-<gpu>-<date>.md)")
+    args = parser.parse_args()
+
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    header = (f"GPU: {gpu} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), date {date}, "
+              f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+              f"python {platform.python_version()}, hf_qattn {hf_qattn.__version__}, "
+              f"sageattention {'1.0.6' if sageattn else 'not installed'}")
+    log(header)
+    sections = [f"# Kernel benchmark — {gpu}\n\n{header}\n"]
+
+    log("== check: kernels vs reference (same tiles)")
+    check_rows = check(torch.float16) + check(torch.bfloat16)
+    for row in check_rows:
+        log("   ", row)
+    sections.append("## Kernels vs reference (same tiles, ragged shapes)\n\n" + markdown(check_rows))
+
+    log("== accuracy vs FP32 on outlier inputs (eval/synthetic.py), B1 H8 N4096")
+    acc_rows = accuracy_rows(torch.float16) + accuracy_rows(torch.bfloat16)
+    for row in acc_rows:
+        log("   ", row)
+    sections.append("## Accuracy vs FP32 attention, synthetic outlier inputs, B1 H8 N4096\n\n" + markdown(acc_rows))
+
+    if args.tune:
+        log("== tile sweep (qattn-8b, fp16)")
+        tune_rows = tune(torch.float16, [(128, 1024, False), (128, 8192, False), (128, 8192, True),
+                                         (64, 8192, False), (64, 2048, True)])
+        sections.append("## Tile sweep (top 3 per shape, qattn-8b fp16)\n\n" + markdown(tune_rows))
+
+    if not args.skip_speed:
+        log("== stage times")
+        stages = [stage_times(torch.float16, n=n) for n in (1024, 8192)]
+        for row in stages:
+            log("   ", row)
+        sections.append("## Where one call's time goes (fp16)\n\n" + markdown(stages))
+        log("== speed (TOPS)")
+        if args.quick:
+            speed = speed_rows([torch.float16], [128], [1024, 8192])
+        else:
+            speed = speed_rows([torch.float16, torch.bfloat16], [64, 128], [1024, 2048, 4096, 8192, 16384, 32768])
+        sections.append("## Speed, TOPS (B4 H32; causal counts half the FLOPs; qattn includes quantization)\n\n"
+                        + markdown(speed))
+        log("\n" + markdown(speed))
+
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"kernels-{gpu.replace(' ', '-')}-{date}.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.write("\n".join(sections))
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
