@@ -2,13 +2,29 @@
 
 Public API:
     qattn(q, k, v, ...)          the attention function (see hf_qattn.api)
+    QAttnPlan, PlanError         per-layer precision plans (see hf_qattn.plan)
+    calibrate(model, inputs)     score every layer, write a 4/8-bit plan into model.config
     fallback_stats()             where calls went, and why any fell back to full precision
     reset_fallback_stats()
+
+Importing hf_qattn registers ``attn_implementation="qattn"`` with transformers as soon as
+transformers loads (nothing happens when transformers is not installed).
 """
 
 from .api import qattn
+from .calibration import calibrate
+from .plan import PlanError, QAttnPlan
 from .stats import fallback_stats, reset_fallback_stats
 
 __version__ = "0.1.0"
 
-__all__ = ["qattn", "fallback_stats", "reset_fallback_stats", "__version__"]
+__all__ = ["qattn", "QAttnPlan", "PlanError", "calibrate", "fallback_stats", "reset_fallback_stats", "__version__"]
+
+
+def _install_integrations() -> None:
+    from .integrations import transformers as _transformers_integration
+
+    _transformers_integration.install()
+
+
+_install_integrations()

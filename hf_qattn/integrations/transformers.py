@@ -1,0 +1,502 @@
+"""Transformers integration: the ``"qattn"`` attention implementation.
+
+Importing :mod:`hf_qattn` arranges for two registrations as soon as transformers' own modules load
+(so ``import hf_qattn`` stays cheap and does not import transformers itself):
+
+- ``AttentionInterface["qattn"]`` = :func:`qattn_attention_forward`;
+- ``AttentionMaskInterface["qattn"]`` = transformers' own ``sdpa_mask``, so every model builds the
+  masks it builds for SDPA: ``None`` (then ``is_causal`` decides, as in SDPA) or a 4D boolean mask.
+
+After that ``from_pretrained(path, attn_implementation="qattn")`` and
+``model.set_attn_implementation("qattn")`` work for every model that uses the interface.
+
+Per call, :func:`qattn_attention_forward`
+
+1. reads the layer's precision from the plan in ``module.config.qattn_plan`` by the layer index
+   (``module.layer_idx``; models without one get indices in module order at construction). With
+   no plan every layer runs ``"int8"`` (:data:`DEFAULT_PRECISION`): the safe choice, as accurate as
+   the method gets. A plan precision ``"fp16"`` runs transformers' SDPA path, counted as call
+   path ``"fp16"`` (a choice, not a fallback).
+2. turns the mask into what the kernel understands — causal (aligned bottom-right) and a
+   per-sequence key range [kv_start, kv_end) — by analysing each mask tensor once (the result is
+   cached on the tensor for the other layers) and checking that the reconstruction equals the mask
+   exactly. Keys that no query sees (the empty tail of a static cache) are sliced off first.
+3. calls :func:`hf_qattn.qattn` in HND layout, with fewer K/V heads for GQA (no repeat).
+
+Anything the kernel cannot serve runs in full precision instead, counted under its reason and
+warned once (:func:`hf_qattn.fallback_stats`); the reasons are the ``REASON_*`` constants below.
+Soft-capping, attention sinks, sparse indices and ``output_attentions`` run the model's own eager
+attention (SDPA cannot express them); every other fallback runs transformers' SDPA path with the
+model's own mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.machinery
+import importlib.util
+import math
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .. import api, stats
+from ..masks import visible_keys
+from ..plan import PLAN_CONFIG_KEY, PlanError, QAttnPlan
+
+ATTN_IMPLEMENTATION = "qattn"
+DEFAULT_PRECISION = "int8"
+
+REASON_SOFTCAP = "attention logit soft-capping (softcap)"
+REASON_SINKS = "attention sinks (s_aux / sinks)"
+REASON_SPARSE = "sparse attention indices"
+REASON_OUTPUT_ATTENTIONS = "output_attentions=True (attention weights requested)"
+REASON_DROPOUT = "attention dropout in training"
+REASON_GRAD = "gradients required (the quantized kernels are inference-only)"
+REASON_HEAD_DIM = f"head_dim > {api.MAX_KERNEL_HEAD_DIM}"
+REASON_VALUE_DIM = "value head_dim differs from query/key head_dim"
+REASON_DTYPE = "dtype other than float16/bfloat16/float32"
+REASON_HEADS = "query heads not a multiple of key/value heads"
+REASON_BATCH = "query and key/value batch sizes differ"
+REASON_POSITION_BIAS = "additive position bias (position_bias)"
+REASON_PAGED_CACHE = "paged KV cache (continuous batching)"
+REASON_FLOAT_MASK = "float (additive) attention mask"
+REASON_MASK_SHAPE = "attention mask of unexpected shape or type"
+REASON_SLIDING_WINDOW = "sliding window attention (window smaller than the sequence)"
+REASON_MASK_PATTERN = "attention mask pattern other than causal + per-sequence key range"
+REASON_CAUSAL_SHAPE = "causal attention with more queries than keys"
+
+# Keyword arguments whose math SDPA (and the kernel) cannot express: the model's eager path serves them.
+_EAGER_ONLY = {"softcap": REASON_SOFTCAP, "s_aux": REASON_SINKS, "sinks": REASON_SINKS,
+               "indices": REASON_SPARSE, "block_indices": REASON_SPARSE}
+
+
+# ------------------------------------------------------------------------------------------------
+# layer index and precision
+
+
+def layer_index(module) -> int | None:
+    """The plan index of an attention module: ``layer_idx``, else the one stamped at construction."""
+    index = getattr(module, "layer_idx", None)
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    return getattr(module, "_qattn_layer_idx", None)
+
+
+def _num_layers(config) -> int | None:
+    count = getattr(config, "num_hidden_layers", None)
+    if count is None and hasattr(config, "get_text_config"):
+        count = getattr(config.get_text_config(), "num_hidden_layers", None)
+    return count if isinstance(count, int) else None
+
+
+def plan_from_config(config) -> QAttnPlan | None:
+    """The config's plan (validated against its layer count), or None when it carries none."""
+    data = getattr(config, PLAN_CONFIG_KEY, None)
+    if data is None:
+        return None
+    num_layers = _num_layers(config)
+    plan = QAttnPlan.from_dict(data, num_layers=num_layers)
+    if num_layers is not None and plan.num_layers is not None and plan.num_layers != num_layers:
+        raise PlanError(f"qattn_plan.num_layers is {plan.num_layers} but the model has {num_layers} layers "
+                        "(config.num_hidden_layers): the plan was made for another model")
+    return plan
+
+
+_plan_cache: dict[int, tuple] = {}
+_plan_cache_lock = threading.Lock()
+
+
+def _cached_plan(config) -> QAttnPlan | None:
+    # Parsing a plan on every call would cost more than a small attention; reuse it while the dict is unchanged.
+    data = getattr(config, PLAN_CONFIG_KEY, None)
+    if data is None:
+        return None
+    if isinstance(data, QAttnPlan):
+        return data
+    entry = _plan_cache.get(id(data))
+    if entry is not None and entry[0] is data and entry[1] == data:
+        return entry[2]
+    plan = plan_from_config(config)
+    with _plan_cache_lock:
+        if len(_plan_cache) > 256:
+            _plan_cache.clear()
+        _plan_cache[id(data)] = (data, _snapshot(data), plan)
+    return plan
+
+
+def _snapshot(data):
+    if isinstance(data, dict):
+        return {key: _snapshot(value) for key, value in data.items()}
+    return data
+
+
+def layer_precision(module) -> str:
+    """Precision this attention module runs: from the plan by layer index, else :data:`DEFAULT_PRECISION`."""
+    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+    plan = _cached_plan(config) if config is not None else None
+    if plan is None:
+        return DEFAULT_PRECISION
+    return plan.precision(layer_index(module))
+
+
+# ------------------------------------------------------------------------------------------------
+# masks
+
+
+@dataclass(frozen=True)
+class MaskPattern:
+    """What the kernel needs to reproduce a mask: keys [0, kv_len) with ``causal`` and per-sequence ranges."""
+
+    causal: bool
+    kv_len: int
+    kv_start: torch.Tensor | None = None
+    kv_end: torch.Tensor | None = None
+
+    def for_batch(self, batch: int) -> "MaskPattern":
+        """The pattern of a batch-1 mask broadcast over ``batch`` sequences."""
+        def grow(t):
+            return t if t is None or t.shape[0] == batch else t.expand(batch).contiguous()
+
+        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end))
+
+
+def analyse_mask(mask: torch.Tensor) -> MaskPattern | None:
+    """Express a 4D boolean mask (B, 1 or H, Nq, Nk) as causal ∧ key range, or None when it is not one.
+
+    The result is checked against :func:`hf_qattn.masks.visible_keys` element for element, so a
+    pattern is only ever returned when it reproduces the mask exactly.
+    """
+    if mask.dtype != torch.bool or mask.dim() != 4:
+        return None
+    if mask.shape[1] != 1:
+        if not torch.equal(mask, mask[:, :1].expand_as(mask)):
+            return None
+        mask = mask[:, :1]
+    batch, _, nq, nk = mask.shape
+    seen = mask[:, 0].any(dim=1)  # (B, Nk): keys some query sees
+    cols = torch.arange(nk, device=mask.device)
+    kv_start = torch.where(seen, cols, nk).amin(dim=-1)
+    kv_end = torch.where(seen, cols + 1, 0).amax(dim=-1)
+    kv_start = torch.where(kv_end > 0, kv_start, 0)
+    kv_len = int(kv_end.max()) if batch else 0
+    if kv_len == 0:
+        return None  # nothing visible at all: leave such a call to SDPA
+    target = mask[..., :kv_len]
+    full_start, full_end = bool((kv_start == 0).all()), bool((kv_end == kv_len).all())
+    start = None if full_start else kv_start
+    end = None if full_end else kv_end
+    for causal in (False, True):  # non-causal first: with one query row both read the same
+        if causal and nq > kv_len:
+            continue
+        candidate = visible_keys(batch, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
+                                 device=mask.device)
+        if torch.equal(candidate, target):
+            return MaskPattern(causal, kv_len, start, end)
+    return None
+
+
+def _cached_analysis(mask: torch.Tensor) -> MaskPattern | None:
+    # Every layer of a forward gets the same mask tensor: analyse it once and keep the answer on it.
+    cached = getattr(mask, "_qattn_pattern", None)
+    if cached is not None and cached[0] == mask._version:
+        return cached[1]
+    pattern = analyse_mask(mask)
+    try:
+        mask._qattn_pattern = (mask._version, pattern)
+    except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes: analyse again next time
+        pass
+    return pattern
+
+
+def resolve_pattern(module, query, key, attention_mask, is_causal, kwargs) -> tuple[MaskPattern | None, str | None]:
+    """(pattern, None) when the kernel reproduces the call's masking exactly, else (None, reason)."""
+    batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:
+        # SDPA's rule without a mask: causal only for several queries, aligned top-left; keys past
+        # the queries then only occur as the empty slots of a static cache at prefill: drop them.
+        causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(causal_flag) and nq > 1
+        if causal and nq > nk:
+            return None, REASON_CAUSAL_SHAPE
+        return MaskPattern(causal, nq if causal else nk), None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return None, REASON_MASK_SHAPE
+    if attention_mask.dtype != torch.bool:
+        return None, REASON_FLOAT_MASK
+    mb, _, mq, mk = attention_mask.shape
+    if mq != nq or mk != nk or mb not in (1, batch):
+        return None, REASON_MASK_SHAPE
+    pattern = _cached_analysis(attention_mask)
+    if pattern is None:
+        window = kwargs.get("sliding_window")
+        return None, (REASON_SLIDING_WINDOW if window is not None else REASON_MASK_PATTERN)
+    return pattern.for_batch(batch), None
+
+
+def _unsupported(query, key, value, dropout, kwargs) -> str | None:
+    """Why the kernel cannot serve this call whatever its mask, or None."""
+    for name, reason in _EAGER_ONLY.items():
+        if kwargs.get(name) is not None:
+            return reason
+    if kwargs.get("output_attentions"):
+        return REASON_OUTPUT_ATTENTIONS
+    if kwargs.get("position_bias") is not None:
+        return REASON_POSITION_BIAS
+    if kwargs.get("cache") is not None:
+        return REASON_PAGED_CACHE
+    if dropout and dropout > 0.0:
+        return REASON_DROPOUT
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return REASON_GRAD
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in api.DTYPES:
+        return REASON_DTYPE
+    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1]:
+        return REASON_VALUE_DIM
+    if query.shape[-1] > api.MAX_KERNEL_HEAD_DIM:
+        return REASON_HEAD_DIM
+    if query.shape[0] != key.shape[0]:
+        return REASON_BATCH
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        return REASON_HEADS
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# full-precision paths
+
+
+def _additive_mask(attention_mask, query, key, is_causal, module):
+    """The mask as eager attention wants it: float, 0 where seen and the dtype's minimum elsewhere."""
+    nq, nk = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if not (causal_flag and nq > 1):
+            return None
+        rows = torch.arange(nq, device=query.device)[:, None]
+        attention_mask = (torch.arange(nk, device=query.device)[None, :] <= rows)[None, None]  # SDPA: top-left
+    if attention_mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        return torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+    return attention_mask
+
+
+def _plain_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                 s_aux=None, sinks=None, **_):
+    """Softmax attention with soft-capping and sinks, for modules whose model has no eager function."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    sink = s_aux if s_aux is not None else sinks
+    if sink is not None:  # one extra logit per head that takes probability mass and no value
+        sink_col = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = torch.nn.functional.dropout(probs.to(query.dtype), p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def _model_eager(module):
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def full_precision_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             is_causal=None, **kwargs):
+    """What the model computes without qattn: eager where SDPA cannot express it, else SDPA."""
+    if kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _EAGER_ONLY):
+        eager = _model_eager(module) or _plain_eager
+        mask = _additive_mask(attention_mask, query, key, is_causal, module)
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# the attention function
+
+_calibrator: contextvars.ContextVar = contextvars.ContextVar("hf_qattn_calibrator", default=None)
+
+
+@contextlib.contextmanager
+def calibrating(observer):
+    """Within the block every qattn call returns full-precision attention and hands its Q, K, V to
+    ``observer.observe(module, query, key, value, pattern, scaling)`` (or ``observer.skip(module,
+    reason)`` when the kernel could not serve the call)."""
+    token = _calibrator.set(observer)
+    try:
+        yield observer
+    finally:
+        _calibrator.reset(token)
+
+
+def qattn_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers attention function: q, k, v (B, H, N, D) in, ((B, N, H, D) output, None) out."""
+    observer = _calibrator.get()
+    if observer is not None:
+        out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       is_causal=is_causal, **kwargs)
+        reason = _unsupported(query, key, value, dropout, kwargs)
+        pattern = None
+        if reason is None:
+            pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+        if reason is None:
+            observer.observe(module, query, key, value, pattern, scaling)
+        else:
+            observer.skip(module, reason)
+        return out
+
+    precision = layer_precision(module)
+    if precision == "fp16":
+        stats.record_call("fp16")
+        return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
+    reason = _unsupported(query, key, value, dropout, kwargs)
+    pattern = None
+    if reason is None:
+        pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+    if reason is not None:
+        stats.record_fallback(reason)
+        return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
+    if pattern.kv_len != key.shape[2]:
+        key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
+    out = api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
+                    kv_start=pattern.kv_start, kv_end=pattern.kv_end)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------------------------------------
+# model construction hook: plan validation at load, layer indices for models without them
+
+
+def _looks_like_attention(module) -> bool:
+    return type(module).__name__.endswith("Attention") and hasattr(module, "config")
+
+
+def _stamp_layer_indices(model) -> None:
+    candidates = [m for m in model.modules() if _looks_like_attention(m)]
+    if not candidates or any(isinstance(getattr(m, "layer_idx", None), int) for m in candidates):
+        return
+    inner = [m for m in candidates if not any(c is not m and _looks_like_attention(c) for c in m.modules())]
+    for index, module in enumerate(inner):
+        module._qattn_layer_idx = index
+
+
+def on_model_init(model) -> None:
+    """Run after every ``PreTrainedModel.post_init``: a malformed plan fails here, at load."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    data = getattr(config, PLAN_CONFIG_KEY, None)
+    if data is not None:
+        try:
+            plan = plan_from_config(config)
+        except PlanError as error:
+            raise PlanError(f"{type(model).__name__}: config.{PLAN_CONFIG_KEY} is invalid: {error}") from None
+        if isinstance(data, QAttnPlan):  # keep config.json serializable
+            setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
+    _stamp_layer_indices(model)
+
+
+def _wrap_post_init(pretrained_model_class) -> None:
+    original = pretrained_model_class.post_init
+    if getattr(original, "_hf_qattn_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        on_model_init(self)
+        return result
+
+    post_init._hf_qattn_wrapped = True
+    pretrained_model_class.post_init = post_init
+
+
+# ------------------------------------------------------------------------------------------------
+# registration
+
+
+def _register_attention(modeling_utils) -> None:
+    modeling_utils.AttentionInterface.register(ATTN_IMPLEMENTATION, qattn_attention_forward)
+    _wrap_post_init(modeling_utils.PreTrainedModel)
+
+
+def _register_mask(masking_utils) -> None:
+    masking_utils.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, masking_utils.sdpa_mask)
+
+
+_ON_LOAD = {"transformers.modeling_utils": _register_attention, "transformers.masking_utils": _register_mask}
+_done: set[str] = set()
+
+
+def _on_loaded(name: str) -> None:
+    if name not in _done:
+        _done.add(name)
+        try:
+            _ON_LOAD[name](sys.modules[name])
+        except Exception as error:  # an incompatible transformers must not break its own import
+            warnings.warn(f"hf_qattn: could not register with {name}: {error!r}", RuntimeWarning, stacklevel=2)
+    if len(_done) == len(_ON_LOAD) and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+class _RegisterOnLoad:
+    """Meta-path finder: lets transformers' modules load normally, then registers qattn in them."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _ON_LOAD or fullname in _done:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _on_loaded(fullname)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_finder = _RegisterOnLoad()
+
+
+def install() -> bool:
+    """Register qattn with transformers now if it is loaded, else as soon as it loads. False without transformers."""
+    if importlib.util.find_spec("transformers") is None:
+        return False
+    if _finder not in sys.meta_path and len(_done) < len(_ON_LOAD):
+        sys.meta_path.insert(0, _finder)
+    for name in _ON_LOAD:
+        if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
+            module = sys.modules[name]
+            if hasattr(module, "AttentionInterface" if name.endswith("modeling_utils") else "AttentionMaskInterface"):
+                _on_loaded(name)
+    return True
+
+
+def register() -> None:
+    """Import transformers' modules and register qattn right away (``install`` does it lazily)."""
+    import transformers.masking_utils
+    import transformers.modeling_utils
+
+    install()
+    for name in _ON_LOAD:
+        _on_loaded(name)
