@@ -28,3 +28,15 @@ def _install_integrations() -> None:
 
 
 _install_integrations()
+
+# Diffusers integration, imported on first use so that `import hf_qattn` never needs diffusers.
+_DIFFUSERS_EXPORTS = {"patch": "diffusers", "unpatch": "diffusers", "calibrate_pipeline": "diffusers_calibration"}
+__all__ += list(_DIFFUSERS_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _DIFFUSERS_EXPORTS:
+        from importlib import import_module
+
+        return getattr(import_module(f".integrations.{_DIFFUSERS_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
