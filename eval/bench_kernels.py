@@ -143,9 +143,7 @@ def speed_rows(dtypes, dims, lengths, batch=4, heads=32):
 def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
     """Split one qattn-8b call into its launches, to see where time goes."""
     q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
-    sample = tuning.center_sample()
-    from hf_qattn.quant import smoothing_center
-    centers = time_ms(lambda: [smoothing_center(t, sample) for t in (q, k, v)])
+    centers = time_ms(lambda: launch.smoothing_centers(q, k, v, True, True, True))
     total = time_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=causal))
     # the quantize kernel alone: time the launcher with an attention of zero query rows
     quant_only = time_ms(lambda: launch.quantized_attention(
@@ -162,8 +160,11 @@ def tune(dtype, shapes):
         for block_n in (64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
+                    if block_m == 64 and warps == 8:
+                        continue
                     candidates.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "Q_GROUP": 16,
                                        "K_TOKEN_SCALE": False, "num_warps": warps, "num_stages": stages})
+    candidates += [dict(c, K_TOKEN_SCALE=True) for c in candidates if c["num_stages"] == 3]
     results = []
     for d, n, causal in shapes:
         q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=dtype) for _ in range(3))

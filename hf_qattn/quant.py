@@ -104,13 +104,16 @@ def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tup
     return scaled.to(FLOAT_DTYPE[fmt]).float(), scale
 
 
-def quantize_p(p: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float]:
-    """Static quantization of the softmax numerator P̃ ∈ [0, 1]: returns (P̂, the factor applied)."""
+# Static scale of P̃ per format: P̃ ∈ [0, 1] is computed directly as P̃·P_SCALE = 2^(S − m + log2 P_SCALE).
+P_SCALE = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0, "fp16": 1.0, "none": 1.0}
+
+
+def quantize_p(p_scaled: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize P̃·P_SCALE[fmt] (values in [0, P_SCALE]) to ``fmt``, returned as float32."""
     if fmt == "none":
-        return p, 1.0
+        return p_scaled
     if fmt == "fp16":
-        return p.to(torch.float16).float(), 1.0
+        return p_scaled.to(torch.float16).float()
     if fmt == "int8":
-        return torch.round(p * INT_MAX["int8"]), INT_MAX["int8"]
-    qmax = FLOAT_MAX[fmt]
-    return (p * qmax).to(FLOAT_DTYPE[fmt]).float(), qmax
+        return torch.round(p_scaled)
+    return p_scaled.to(FLOAT_DTYPE[fmt]).float()

@@ -11,9 +11,9 @@ with the same online softmax in base 2, so a kernel can be compared with it tile
     quantize   Q̂, K̂ symmetric int (±127 / ±7) with per-row scales δQ, δK by granularity;
                V̂ per channel (over all keys, or per key tile) in the chosen format, scale δV
     per tile   S = Q̂K̂ᵀ·δQ·δK + ΔS  (times sm_scale·log2 e),  m ← max(m, rowmax S)
-               P̃ = 2^(S − m) ∈ [0, 1],  P̂ = P̃ quantized statically (×448 for E4M3)
-               l ← l·2^(m_old − m) + ΣP̃,   O ← O·2^(m_old − m) + (P̂V̂)·δV / 448
-    epilogue   O ← O / l + v̄,  lse = (m + log2 l)·ln 2 + sm_scale·q·k̄
+               P̃·448 = 2^(S − m + log2 448) ∈ [0, 448],  P̂ = P̃·448 cast to FP8 (static scale)
+               l ← l·2^(m_old − m) + ΣP̃·448,   O ← O·2^(m_old − m) + (P̂V̂)·δV
+    epilogue   O ← O / l + v̄  (the 448 cancels),  lse = (m + log2(l / 448))·ln 2 + sm_scale·q·k̄
 
 ``exact_attention`` is plain softmax attention in float64 — the yardstick for every error metric;
 ``sdpa_attention`` is torch's SDPA under the same masking rule — the full-precision fallback.
@@ -96,6 +96,7 @@ def quantized_attention(
     visible = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=q.device)
     c = scale * LOG2E
     q_coef = dq * c  # the kernel folds sm_scale·log2 e into δQ once per query tile
+    p_log2 = math.log2(quant.P_SCALE[pv])
     m = torch.full((b, hq, nq), -math.inf, device=q.device)
     l = torch.zeros(b, hq, nq, device=q.device)
     acc = torch.zeros(b, hq, nq, dv, device=q.device)
@@ -106,12 +107,11 @@ def quantized_attention(
         s = s.masked_fill(~visible[..., j0:j1], -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new)  # rows that saw no key yet
-        p = torch.exp2(s - m_safe[..., None])
+        p_scaled = torch.exp2(s - (m_safe - p_log2)[..., None])  # P̃·P_SCALE: the static scale folded in
         alpha = torch.exp2(m - m_safe)
-        l = l * alpha + p.sum(-1)
-        p_hat, p_max = quant.quantize_p(p, pv)
-        tile_out = torch.matmul(p_hat, v_hat[:, :, j0:j1])
-        acc = acc * alpha[..., None] + tile_out * (dv_scale[:, :, tile] / p_max)[:, :, None, :]
+        l = l * alpha + p_scaled.sum(-1)
+        tile_out = torch.matmul(quant.quantize_p(p_scaled, pv), v_hat[:, :, j0:j1])
+        acc = acc * alpha[..., None] + tile_out * dv_scale[:, :, tile][:, :, None, :]
         m = m_new
 
     seen = l > 0
@@ -122,7 +122,7 @@ def quantized_attention(
         return out
     k_bar_q = _repeat_kv(k_bar[:, :, None], groups)[:, :, 0]
     shift = torch.einsum("bhnd,bhd->bhn", qf, k_bar_q) * scale
-    lse = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) / LOG2E + shift, -math.inf)
+    lse = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30)) - p_log2) / LOG2E + shift, -math.inf)
     return out, lse
 
 

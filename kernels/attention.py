@@ -3,15 +3,18 @@
 One program per (tile of BLOCK_M query rows, batch·query-head); the query tile's K/V head is
 head // GROUPS (GQA/MQA without copying K/V). Q arrives in the model's dtype and is smoothed
 and quantized here, once per program, into per-row-group scales (Q_GROUP rows share one; 16 is
-one warp's rows on Hopper). K, V, their scales and ΔS come from ``quantize_kv_kernel``.
+one warp's rows on Hopper). K̂, V̂ (read through TMA descriptors), their scales and ΔS come
+from ``quantize_kv_kernel``.
 
 Per key tile (``_key_tiles``):
-    S  = (Q̂·K̂ᵀ) · (δQ·sm_scale·log2 e) · δK + ΔS           int32 MMA, then FP32
-    m' = max(m, rowmax S),  P̃ = 2^(S − m'),  α = 2^(m − m')
-    l  = α·l + ΣP̃
-    O  = α·O + (P̃·448 → FP8) · V̂ · δV/448    each tile's product in a fresh accumulator
-                                               ("two-level accumulation"), added in FP32
-Epilogue: O / l + v̄ in the output dtype; optionally lse = (m + log2 l)·ln 2 + sm_scale·q·k̄.
+    S  = (Q̂·K̂ᵀ) · (δQ·sm_scale·log2 e) · δK + ΔS         int32 MMA, then FP32
+    m' = max(m, rowmax S),  α = 2^(m − m')
+    P  = 2^(S − m' + log2 448) = P̃·448 ∈ [0, 448]          the static FP8 scale folded into exp2
+    l  = α·l + ΣP
+    O  = α·O + FP8(P) · V̂ · δV                          each tile's product in a fresh accumulator
+                                                        ("two-level accumulation"), added in FP32
+Epilogue: O / l + v̄ (the 448 cancels) in the output dtype; optionally
+lse = (m + log2(l / 448))·ln 2 + sm_scale·q·k̄ (K was smoothed: the q·k̄ term is added back).
 
 Masking: keys of a sequence outside [kv_start, kv_end), and, when causal, keys right of the
 query's diagonal (aligned bottom-right). Tiles wholly outside are skipped, not masked; only the
@@ -21,26 +24,27 @@ few tiles that straddle a boundary run the masked variant of the loop.
 import triton
 import triton.language as tl
 
-from .common import SCALE_FLOOR, quantize_symmetric, to_fp8_e4m3
+from .common import SCALE_FLOOR, int32_to_float, quantize_symmetric, to_fp8_e4m3
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _key_tiles(
-    acc, l_i, m_i, q_int, q_coef, offs_m, offs_d,
-    KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
-    lo, hi, kv_lo, kv_hi, diag_offset, NK_PAD,
+    acc, l_i, m_i, q_int, q_coef, offs_m,
+    kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, kq_row0, vq_row0,
+    lo, hi, kv_lo, kv_hi, diag_offset,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, GRID_ROUND: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):
+    offs_d = tl.arange(0, D_PAD)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         offs_n = start + tl.arange(0, BLOCK_N)
         tile = start // BLOCK_N
-        # -- scores: integer MMA, dequantized by the outer product of the scales, plus ΔS
-        k = tl.load(KQ_bh + offs_n[None, :] * D_PAD + offs_d[:, None])  # (D_PAD, BLOCK_N), K-major
-        qk = tl.dot(q_int, k).to(tl.float32)
+        # -- scores: integer MMA, dequantized by the scales' outer product, plus ΔS
+        k = kq_desc.load([kq_row0 + start, 0])
+        qk = int32_to_float(tl.dot(q_int, k.T))
         if K_TOKEN_SCALE:
             s = qk * (q_coef[:, None] * tl.load(KS_bh + offs_n)[None, :])
         else:
@@ -56,30 +60,30 @@ def _key_tiles(
         m_use = m_new
         if MASKED:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.math.exp2(s - m_use[:, None])
+        p = tl.math.exp2(s - (m_use - P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # -- P·V in a fresh accumulator, then scaled and added to the FP32 output
-        v = tl.load(VQ_bh + offs_n[:, None] + offs_d[None, :] * NK_PAD)  # (BLOCK_N, D_PAD)
+        v = vq_desc.load([vq_row0, start]).T
         if V_FP8:
-            pv = tl.dot(to_fp8_e4m3(p * 448.0, GRID_ROUND), v)
+            pv = tl.dot(to_fp8_e4m3(p, GRID_ROUND), v)
         else:
             pv = tl.dot(p.to(tl.float16), v)
-        v_scale = tl.load(VS_bh + tile * D_PAD + offs_d)
-        acc = acc * alpha[:, None] + pv * v_scale[None, :]
+        acc = acc * alpha[:, None] + pv * tl.load(VS_bh + tile * D_PAD + offs_d)[None, :]
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def attention_kernel(
-    Q, KQ, KS, VQ, VS, DS, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, O, LSE,
+    Q, kq_desc, KS, vq_desc, VS, DS, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_ob, stride_oh, stride_on, stride_od,
     HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_GROUP: tl.constexpr, QK_MAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, RETURN_LSE: tl.constexpr, GRID_ROUND: tl.constexpr,
+    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, RETURN_LSE: tl.constexpr,
+    GRID_ROUND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bhq = tl.program_id(1)  # b·Hq + h
@@ -122,12 +126,12 @@ def attention_kernel(
     hi = tl.maximum(hi, first)
     clean_hi = tl.maximum(clean_hi, clean_lo)
 
-    KQ_bh = KQ + bhk.to(tl.int64) * NK_PAD * D_PAD
-    VQ_bh = VQ + bhk.to(tl.int64) * D_PAD * NK_PAD
+    kq_row0 = (bhk * NK_PAD).to(tl.int32)
+    vq_row0 = (bhk * D_PAD).to(tl.int32)
     VS_bh = VS + bhk * NUM_TILES * D_PAD
     DS_bhq = DS + bhq.to(tl.int64) * NK_PAD
     if K_TOKEN_SCALE:
-        KS_bh = KS + bhk.to(tl.int64) * NK_PAD
+        KS_bh = KS + bhk * NK_PAD
     else:
         KS_bh = KS + bhk * NUM_TILES
 
@@ -135,15 +139,15 @@ def attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # left edge (a tile cut by kv_start), clean middle, right edge (cut by kv_end or the diagonal)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, offs_d, KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
-                               first, tl.minimum(clean_lo, hi), kv_lo, kv_hi, diag_offset, NK_PAD,
-                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, GRID_ROUND)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, offs_d, KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
-                               clean_lo, clean_hi, kv_lo, kv_hi, diag_offset, NK_PAD,
-                               D_PAD, BLOCK_N, False, CAUSAL, K_TOKEN_SCALE, V_FP8, GRID_ROUND)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, offs_d, KQ_bh, KS_bh, VQ_bh, VS_bh, DS_bhq,
-                               tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi, diag_offset, NK_PAD,
-                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, GRID_ROUND)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq,
+                               kq_row0, vq_row0, first, tl.minimum(clean_lo, hi), kv_lo, kv_hi, diag_offset,
+                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq,
+                               kq_row0, vq_row0, clean_lo, clean_hi, kv_lo, kv_hi, diag_offset,
+                               D_PAD, BLOCK_N, False, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq,
+                               kq_row0, vq_row0, tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi, diag_offset,
+                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
 
     # --- epilogue: normalize, add v̄ back; rows that saw no key are zero
     seen = l_i > 0.0
@@ -152,8 +156,7 @@ def attention_kernel(
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     if RETURN_LSE:
-        # K was smoothed: add back sm_scale·q·k̄ so the lse is that of the unsmoothed scores
         k_bar = tl.load(K_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
         shift = tl.sum(q * k_bar[None, :], axis=1) * (score_coef / LOG2E)
-        lse = tl.where(seen, (m_i + tl.math.log2(l_i)) / LOG2E + shift, float("-inf"))
+        lse = tl.where(seen, (m_i + tl.math.log2(l_i) - P_LOG2) / LOG2E + shift, float("-inf"))
         tl.store(LSE + bhq.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)

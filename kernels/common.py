@@ -1,4 +1,4 @@
-"""Small Triton helpers shared by the quantization and attention kernels."""
+"""Small Triton helpers shared by the kernels."""
 
 import triton
 import triton.language as tl
@@ -6,6 +6,10 @@ import triton.language as tl
 # Adding and subtracting 1.5·2^23 leaves a float32 rounded to the nearest integer, ties to even,
 # for |x| < 2^22 — the same rounding as torch.round, and it also runs under TRITON_INTERPRET.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
+# The same constant's bit pattern: an int32 |i| < 2^22 added to it and read as float32 is
+# 1.5·2^23 + i exactly, so one integer add and one float subtract convert int32 → float32
+# without the quarter-rate conversion unit (which the softmax's exp2 already saturates).
+_ROUND_MAGIC_BITS = tl.constexpr(0x4B400000)
 
 # Scales never go below this, so an all-zero group quantizes to zeros instead of NaN.
 SCALE_FLOOR = tl.constexpr(1e-30)
@@ -14,6 +18,12 @@ SCALE_FLOOR = tl.constexpr(1e-30)
 @triton.jit
 def round_half_even(x):
     return (x + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+@triton.jit
+def int32_to_float(x):
+    """Exact for |x| < 2^22 (an INT8 Q·Kᵀ over head_dim ≤ 256 stays below 127²·256 < 2^22)."""
+    return (x + _ROUND_MAGIC_BITS).to(tl.float32, bitcast=True) - _ROUND_MAGIC
 
 
 @triton.jit

@@ -1,14 +1,17 @@
-"""One pass over K and V: smooth, quantize, write scales, and the score bias ΔS = q̄·(K − k̄)ᵀ.
+"""Preparing the attention kernel's inputs: smoothing centers, then one pass over K and V.
 
-One program per (key tile of BLOCK_N tokens, batch·kv-head). It reads the tile of K and V once
-(any layout, by strides) and writes, into buffers padded to whole tiles and a power-of-two head
-dim so the attention kernel's main loop needs no bounds checks:
+``centers_kernel`` — the per-(batch, head) channel means of Q, K and V over an evenly strided
+sample of tokens (see hf_qattn.quant.smoothing_center), one launch for all three tensors.
 
-    kq   int8  (B·Hk, NK_PAD, D_PAD)   K − k̄ over its scale, INT8 (±127) or INT4-range (±7)
+``quantize_kv_kernel`` — one program per (key tile of BLOCK_N tokens, batch·kv-head). It reads
+the tile of K and V once (any layout, by strides) and writes, into buffers padded to whole tiles
+and a power-of-two head dim so the attention kernel's main loop needs no bounds checks:
+
+    kq   int8  (B·Hk·NK_PAD, D_PAD)   K − k̄ over its scale, INT8 (±127) or INT4-range (±7)
     ks   fp32  (B·Hk, NK_PAD) per token, or (B·Hk, T) per tile     δK
-    vq   fp8 / fp16  (B·Hk, D_PAD, NK_PAD)   V − v̄ over its scale, stored transposed: the FP8
-                                          tensor cores need P·V's B operand K-major
-    vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel), already divided by P's scale 448
+    vq   fp8 / fp16  (B·Hk·D_PAD, NK_PAD)   V − v̄ over its scale, stored transposed: Hopper's
+                                          FP8 tensor cores need P·V's B operand K-major
+    vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel)
     ds   fp32  (B·Hq, NK_PAD)           ΔS·sm_scale·log2 e for each query head of the group
 
 Padding rows and columns are written as zeros.
@@ -21,15 +24,64 @@ from .common import SCALE_FLOOR, quantize_symmetric, to_fp8_e4m3
 
 
 @triton.jit
+def _sampled_mean(base, stride_n, stride_d, n, step, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """Mean over rows 0, step, 2·step, … < n of the (n, HEAD_DIM) slice at ``base``."""
+    count = tl.cdiv(n, step)
+    total = tl.zeros([ROWS, D_PAD], tl.float32)
+    for r0 in range(0, count, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        mask = (rows < count)[:, None] & (cols < HEAD_DIM)[None, :]
+        total += tl.load(base + (rows * step)[:, None] * stride_n + cols[None, :] * stride_d,
+                         mask=mask, other=0.0).to(tl.float32)
+    return tl.sum(total, axis=0) / count
+
+
+@triton.jit
+def centers_kernel(
+    Q, K, V, CENTERS,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
+):
+    """CENTERS rows: [q̄ of each b·Hq | k̄ of each b·Hk | v̄ of each b·Hk]; zeros where smoothing is off."""
+    pid = tl.program_id(0)  # batch·head of the tensor picked by axis 1: 0 = Q, 1 = K, 2 = V
+    which = tl.program_id(1)
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < HEAD_DIM
+    mean = tl.zeros([D_PAD], tl.float32)
+    if which == 0:
+        if pid < NUM_Q:
+            if SMOOTH_Q:
+                mean = _sampled_mean(Q + (pid // HQ).to(tl.int64) * stride_qb + (pid % HQ) * stride_qh,
+                                     stride_qn, stride_qd, NQ, STEP_Q, cols, HEAD_DIM, D_PAD, ROWS)
+            tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
+    elif which == 1:
+        if pid < NUM_KV:
+            if SMOOTH_K:
+                mean = _sampled_mean(K + (pid // HK).to(tl.int64) * stride_kb + (pid % HK) * stride_kh,
+                                     stride_kn, stride_kd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
+            tl.store(CENTERS + (NUM_Q + pid) * HEAD_DIM + cols, mean, mask=col_ok)
+    else:
+        if pid < NUM_KV:
+            if SMOOTH_V:
+                mean = _sampled_mean(V + (pid // HK).to(tl.int64) * stride_vb + (pid % HK) * stride_vh,
+                                     stride_vn, stride_vd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
+            tl.store(CENTERS + (NUM_Q + NUM_KV + pid) * HEAD_DIM + cols, mean, mask=col_ok)
+
+
+@triton.jit
 def quantize_kv_kernel(
     K, V, K_BAR, V_BAR, Q_BAR,
-    KQ, KS, VQ, VS, DS,
+    kq_desc, KS, vq_desc, VS, DS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_SCALE: tl.constexpr,
-    GRID_ROUND: tl.constexpr,
+    QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -52,7 +104,7 @@ def quantize_kv_kernel(
         k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), SCALE_FLOOR) / QK_MAX
         tl.store(KS + bh * NUM_TILES + tile, k_scale)
         kq = quantize_symmetric(k, k_scale, QK_MAX)
-    tl.store(KQ + bh.to(tl.int64) * NK_PAD * D_PAD + rows[:, None] * D_PAD + cols[None, :], kq)
+    kq_desc.store([bh * NK_PAD + tile * BLOCK_N, 0], kq)
 
     # --- ΔS = q̄·(K − k̄)ᵀ for each query head reading this kv head, from the unquantized K.
     for g in range(GROUPS):
@@ -65,11 +117,11 @@ def quantize_kv_kernel(
                 mask=inside, other=0.0).to(tl.float32)
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(inside, v - v_bar[None, :], 0.0)
-    vq_ptrs = VQ + bh.to(tl.int64) * D_PAD * NK_PAD + cols[None, :] * NK_PAD + rows[:, None]
     if V_FP8:
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / 448.0
-        tl.store(vq_ptrs, to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND))
-        tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, v_scale / P_SCALE)
+        vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND)
     else:
-        tl.store(vq_ptrs, v.to(tl.float16))
-        tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, tl.full([D_PAD], 1.0, tl.float32))
+        v_scale = tl.full([D_PAD], 1.0, tl.float32)
+        vq = v.to(tl.float16)
+    vq_desc.store([bh * D_PAD, tile * BLOCK_N], tl.trans(vq))
+    tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, v_scale)
