@@ -224,7 +224,7 @@ class _PatchedDenoiser:
                  layers: list[tuple[str, torch.nn.Module]]):
         self.owner = owner
         self.name = name
-        self.model = model
+        self._model = weakref.ref(model)  # weak: the patch registry must not keep models alive
         self.plan = plan
         self.layer_names = [layer_name for layer_name, _ in layers]
         self.mask_cache = MaskCache()
@@ -235,6 +235,10 @@ class _PatchedDenoiser:
         for layer, (_, module) in enumerate(layers):
             self._hooks.append(module.register_forward_pre_hook(self._enter_layer(layer)))
             self._hooks.append(module.register_forward_hook(self._exit_layer, always_call=True))
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._model()
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -340,19 +344,19 @@ class QAttnPatch:
     Usable as a context manager (``with hf_qattn.patch(pipe): ...``) that unpatches on exit.
     """
 
-    def __init__(self, target, pipe, models: dict[str, torch.nn.Module], scheduler, recorder=None):
-        self.target = target
+    def __init__(self, pipe, models: dict[str, torch.nn.Module], scheduler, recorder=None):
         self._pipe = weakref.ref(pipe) if pipe is not None else None
         self.tracker = DenoisingStepTracker()
         self.recorder = recorder
         self._scheduler = None
         self.denoisers: dict[str, _PatchedDenoiser] = {}
-        self._models = models
+        self._models = {name: weakref.ref(model) for name, model in models.items()}
         self._follow_scheduler(scheduler, announce=False)
 
     def _install(self, plan) -> None:
         try:
-            for name, model in self._models.items():
+            for name, model_ref in self._models.items():
+                model = model_ref()
                 layers = attention_layers(model)
                 if not layers:
                     raise ValueError(f"{name} ({type(model).__name__}) has no attention modules to patch")
@@ -423,8 +427,8 @@ class QAttnPatch:
             SchedulerHooks.remove(self._scheduler, self.tracker)
             self._scheduler = None
         with _registry_lock:
-            for model in self._models.values():
-                if _patched_models.get(model) is self:
+            for model in (ref() for ref in self._models.values()):
+                if model is not None and _patched_models.get(model) is self:
                     del _patched_models[model]
             pipe = self._pipe() if self._pipe is not None else None
             if pipe is not None and _patched_pipes.get(pipe) is self:
@@ -451,7 +455,7 @@ def _start_patch(pipe_or_transformer, plan, scheduler, recorder) -> QAttnPatch:
                                    "call hf_qattn.unpatch() on it first")
         if scheduler is None and pipe is not None:
             scheduler = getattr(pipe, "scheduler", None)
-        handle = QAttnPatch(pipe_or_transformer, pipe, models, scheduler, recorder)
+        handle = QAttnPatch(pipe, models, scheduler, recorder)
         for model in models.values():
             _patched_models[model] = handle
         if pipe is not None:

@@ -22,7 +22,8 @@ second scheduler (e.g. an audio one) are not followed: only ``pipe.scheduler`` c
 
 from __future__ import annotations
 
-import functools
+import copy
+import inspect
 import threading
 import weakref
 
@@ -97,30 +98,37 @@ class DenoisingStepTracker:
 
 
 class _HookedMethod:
-    """A scheduler method that tells listeners after it ran. Stored in the scheduler's instance
-    ``__dict__``; its signature is the original's (pipelines inspect ``scheduler.step``'s
-    parameters), and a deep copy of the scheduler gets the plain method back, not the hook (LTX-2
-    deep-copies its scheduler for audio; the copy's steps are not the video's steps)."""
+    """A scheduler method that tells a listener after it ran. Stored in the scheduler's instance
+    ``__dict__`` (wrapping whatever was there: the class method, or an instance override); its
+    signature is the original's (pipelines inspect ``scheduler.step``'s parameters). A deep copy
+    of the scheduler gets the unhooked method back (LTX-2 deep-copies its scheduler for audio; the
+    copy's steps are not the video's steps)."""
 
     def __init__(self, scheduler, name: str, notify):
-        self._scheduler = weakref.ref(scheduler)
+        self._scheduler = weakref.ref(scheduler)  # weak: the registry must not keep schedulers alive
         self._name = name
         self._notify = notify
-        original = getattr(type(scheduler), name).__get__(scheduler)
-        self._original = original
-        functools.update_wrapper(self, original)  # __wrapped__ → inspect.signature sees the original
+        self.own_original = vars(scheduler).get(name)  # an instance override, restored on removal
+        original = self._resolve(scheduler)
+        self.__name__ = getattr(original, "__name__", name)
+        self.__doc__ = getattr(original, "__doc__", None)
+        self.__signature__ = inspect.signature(original)
+
+    def _resolve(self, scheduler):
+        return self.own_original or getattr(type(scheduler), self._name).__get__(scheduler)
 
     def __call__(self, *args, **kwargs):
-        result = self._original(*args, **kwargs)
         scheduler = self._scheduler()
-        if scheduler is not None:
-            self._notify(scheduler, args, kwargs)
+        result = self._resolve(scheduler)(*args, **kwargs)
+        self._notify(scheduler, args, kwargs)
         return result
 
     def __deepcopy__(self, memo):
         twin = memo.get(id(self._scheduler()))
-        if twin is None:
+        if twin is None:  # copying the method alone (e.g. a copy of the scheduler's __dict__): share it
             return self
+        if self.own_original is not None:
+            return copy.deepcopy(self.own_original, memo)
         return getattr(type(twin), self._name).__get__(twin)
 
     def __copy__(self):
@@ -142,10 +150,6 @@ class SchedulerHooks:
         self._scheduler = weakref.ref(scheduler)
         self._listeners: list[DenoisingStepTracker] = []
         self._installed: dict[str, _HookedMethod] = {}
-        for name in self.METHODS:
-            if name in vars(scheduler):
-                raise RuntimeError(f"scheduler {type(scheduler).__name__}.{name} is already overridden on the "
-                                   "instance; hf_qattn cannot follow its steps")
         for name in self.METHODS:
             if callable(getattr(type(scheduler), name, None)):
                 hooked = _HookedMethod(scheduler, name, self._event(name))
@@ -173,7 +177,11 @@ class SchedulerHooks:
             hooks._listeners.remove(tracker)
             if not hooks._listeners:
                 for name, hooked in hooks._installed.items():
-                    if vars(scheduler).get(name) is hooked:
+                    if vars(scheduler).get(name) is not hooked:
+                        continue  # replaced since: leave the newer one
+                    if hooked.own_original is not None:
+                        setattr(scheduler, name, hooked.own_original)
+                    else:
                         delattr(scheduler, name)
                 del cls._by_scheduler[scheduler]
 
