@@ -179,24 +179,28 @@ def analyse_mask(mask: torch.Tensor) -> MaskPattern | None:
             return None
         mask = mask[:, :1]
     batch, _, nq, nk = mask.shape
-    seen = mask[:, 0].any(dim=1)  # (B, Nk): keys some query sees
+    grid = mask[:, 0]
+    seen = grid.any(dim=1)  # (B, Nk): keys some query sees
     cols = torch.arange(nk, device=mask.device)
     kv_start = torch.where(seen, cols, nk).amin(dim=-1)
     kv_end = torch.where(seen, cols + 1, 0).amax(dim=-1)
     kv_start = torch.where(kv_end > 0, kv_start, 0)
-    kv_len = int(kv_end.max()) if batch else 0
-    if kv_len == 0:
+    max_end = int(kv_end.max()) if batch else 0
+    if max_end == 0:
         return None  # nothing visible at all: leave such a call to SDPA
-    target = mask[..., :kv_len]
-    full_start, full_end = bool((kv_start == 0).all()), bool((kv_end == kv_len).all())
-    start = None if full_start else kv_start
-    end = None if full_end else kv_end
-    for causal in (False, True):  # non-causal first: with one query row both read the same
-        if causal and nq > kv_len:
+    # Causal: the diagonal sits where the last key of a row minus its index peaks (a row cut by
+    # kv_end only lowers it), so the key length that aligns it bottom-right is nq + that offset.
+    last = torch.where(grid, cols, -1).amax(dim=-1)
+    offset = (last - torch.arange(nq, device=mask.device)).masked_fill(last < 0, -nk - nq).max()
+    candidates = [(False, max_end), (True, nq + int(offset))]
+    for causal, kv_len in candidates:  # non-causal first: with one query row both read the same
+        if not max_end <= kv_len <= nk or (causal and nq > kv_len):
             continue
+        start = None if bool((kv_start == 0).all()) else kv_start
+        end = None if bool((kv_end == kv_len).all()) else kv_end
         candidate = visible_keys(batch, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
                                  device=mask.device)
-        if torch.equal(candidate, target):
+        if torch.equal(candidate, mask[..., :kv_len]) and not mask[..., kv_len:].any():
             return MaskPattern(causal, kv_len, start, end)
     return None
 
