@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -153,34 +154,35 @@ def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
             "centers+quantize_ms": quant_only, "total_ms": total, "attention_ms(est)": total - quant_only}
 
 
-def tune(dtype, shapes):
-    """Time tile configurations of the attention kernel on a few shapes; print the best per shape."""
+def tune(dtype, n=8192):
+    """Time tile configurations of the attention kernel per (head dim, causal) at N=n; return the
+    best as kernels.json rules (applied to this run's speed table too) and the top-3 rows."""
     candidates = []
-    for block_m in (64, 128):
+    for block_m, warps in ((64, 4), (128, 8)):
         for block_n in (64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    if block_m == 64 and warps == 8:
-                        continue
-                    candidates.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "Q_GROUP": 16,
-                                       "K_TOKEN_SCALE": False, "num_warps": warps, "num_stages": stages})
-    candidates += [dict(c, K_TOKEN_SCALE=True) for c in candidates if c["num_stages"] == 3]
-    results = []
-    for d, n, causal in shapes:
-        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=dtype) for _ in range(3))
-        out = torch.empty_like(q)
-        flops = 4 * 4 * 32 * n * n * d * (0.5 if causal else 1.0)
-        timed = []
-        for config in candidates:
-            ms = time_ms(lambda: launch.quantized_attention(
-                q, k, v, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
-                smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False, config=config))
-            timed.append((flops / (ms * 1e-3) / 1e12, config))
-        timed.sort(key=lambda t: -t[0] if t[0] == t[0] else 0)
-        for tops, config in timed[:3]:
-            results.append({"d": d, "N": n, "causal": causal, "TOPS": tops, **config})
-            log("    tune", d, n, causal, f"{tops:.0f}", config)
-    return results
+            for stages in (2, 3):
+                candidates.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "Q_GROUP": 16,
+                                   "K_TOKEN_SCALE": False, "num_warps": warps, "num_stages": stages})
+    rules, rows = [], []
+    for d in (64, 128):
+        for causal in (False, True):
+            q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=dtype) for _ in range(3))
+            out = torch.empty_like(q)
+            flops = 4 * 4 * 32 * n * n * d * (0.5 if causal else 1.0)
+            timed = []
+            for config in candidates:
+                ms = time_ms(lambda: launch.quantized_attention(
+                    q, k, v, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
+                    smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False, config=config))
+                timed.append((flops / (ms * 1e-3) / 1e12 if ms == ms else 0.0, config))
+            timed.sort(key=lambda t: -t[0])
+            arch = tuning.arch_of(q.device)
+            rules.append({"arch": arch, "head_dim": d, "causal": causal, **timed[0][1]})
+            for tops, config in timed[:3]:
+                rows.append({"d": d, "N": n, "causal": causal, "TOPS": tops, **config})
+                log("    tune", d, n, causal, f"{tops:.0f}", config)
+            del q, k, v, out
+    return rules, rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,14 +235,20 @@ def main():
     sections.append("## Accuracy vs FP32 attention, synthetic outlier inputs, B1 H8 N4096\n\n" + markdown(acc_rows))
 
     if args.tune:
-        log("== tile sweep (qattn-8b, fp16)")
-        tune_rows = tune(torch.float16, [(128, 1024, False), (128, 8192, False), (128, 8192, True),
-                                         (64, 8192, False), (64, 2048, True)])
-        sections.append("## Tile sweep (top 3 per shape, qattn-8b fp16)\n\n" + markdown(tune_rows))
+        log("== tile sweep (qattn-8b, fp16, N=8192); the winners are used for the rest of this run")
+        rules, tune_rows = tune(torch.float16)
+        tuning.table()["attention"]["rules"].extend(rules)
+        sections.append("## Tile sweep (top 3 per shape, qattn-8b fp16)\n\n" + markdown(tune_rows)
+                        + "\nRules applied:\n\n```json\n" + json.dumps(rules, indent=1) + "\n```\n")
+        log(json.dumps(rules))
 
     if not args.skip_speed:
         log("== stage times")
-        stages = [stage_times(torch.float16, n=n) for n in (1024, 8192)]
+        stages = []
+        for warps in (4, 8):
+            tuning.table()["quantize"]["num_warps"] = warps
+            stages += [dict(stage_times(torch.float16, n=n), quantize_warps=warps) for n in (1024, 8192)]
+        tuning.table()["quantize"]["num_warps"] = min(stages, key=lambda r: r["centers+quantize_ms"])["quantize_warps"]
         for row in stages:
             log("   ", row)
         sections.append("## Where one call's time goes (fp16)\n\n" + markdown(stages))
