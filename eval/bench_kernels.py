@@ -215,6 +215,13 @@ def main():
 
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"kernels-{gpu.replace(' ', '-')}-{date}.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+
+    def save():  # after every section, so a run cut short still leaves its tables
+        with open(out, "w") as f:
+            f.write("\n".join(sections))
     header = (f"GPU: {gpu} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), date {date}, "
               f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
               f"python {platform.python_version()}, hf_qattn {hf_qattn.__version__}, "
@@ -227,12 +234,14 @@ def main():
     for row in check_rows:
         log("   ", row)
     sections.append("## Kernels vs reference (same tiles, ragged shapes)\n\n" + markdown(check_rows))
+    save()
 
     log("== accuracy vs FP32 on outlier inputs (eval/synthetic.py), B1 H8 N4096")
     acc_rows = accuracy_rows(torch.float16) + accuracy_rows(torch.bfloat16)
     for row in acc_rows:
         log("   ", row)
     sections.append("## Accuracy vs FP32 attention, synthetic outlier inputs, B1 H8 N4096\n\n" + markdown(acc_rows))
+    save()
 
     if args.tune:
         log("== tile sweep (qattn-8b, fp16, N=8192); the winners are used for the rest of this run")
@@ -241,6 +250,7 @@ def main():
         sections.append("## Tile sweep (top 3 per shape, qattn-8b fp16)\n\n" + markdown(tune_rows)
                         + "\nRules applied:\n\n```json\n" + json.dumps(rules, indent=1) + "\n```\n")
         log(json.dumps(rules))
+        save()
 
     if not args.skip_speed:
         log("== stage times")
@@ -252,6 +262,7 @@ def main():
         for row in stages:
             log("   ", row)
         sections.append("## Where one call's time goes (fp16)\n\n" + markdown(stages))
+        save()
         log("== speed (TOPS)")
         if args.quick:
             speed = speed_rows([torch.float16], [128], [1024, 8192])
@@ -261,11 +272,7 @@ def main():
                         + markdown(speed))
         log("\n" + markdown(speed))
 
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"kernels-{gpu.replace(' ', '-')}-{date}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(sections))
+    save()
     log(f"wrote {out}")
 
 
