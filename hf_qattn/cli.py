@@ -116,13 +116,22 @@ def save_plot(result, path: Path, title: str) -> Path | None:
     ax.set_xlabel("layer")
     ax.set_ylabel("INT4 score  CosSim·(1−RelL1)")
     ax.set_title(title, fontsize=10)
-    ax.bar([], [], color="tab:orange", label="int8 (plan)")
-    ax.bar([], [], color="tab:blue", label="int4 (plan)")
-    ax.legend(loc="lower right", fontsize=8)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color="tab:orange", label="int8 (plan)"), Patch(color="tab:blue", label="int4 (plan)"),
+               ax.get_legend_handles_labels()[0][0]]
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _quiet_transformers() -> None:
+    # the CLI prints its own summary; transformers' per-file loading bars would bury it
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 def _device():
@@ -171,6 +180,7 @@ def run_calibrate(args) -> int:
 
     from .calibration import calibrate
 
+    _quiet_transformers()
     model_dir = args.model_dir
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"MODEL_DIR {model_dir} is not a transformers model folder (no config.json)")
@@ -259,6 +269,7 @@ def run_demo(args) -> int:
     from .calibration import calibrate
     from .plan import PLAN_CONFIG_KEY, QAttnPlan
 
+    _quiet_transformers()
     device = _device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     sentences = sample_sentences()
