@@ -289,7 +289,8 @@ class _PatchedDenoiser:
         return enter
 
     def _exit_layer(self, module, args, output):
-        route = self._active.stack.pop()
+        stack = getattr(self._active, "stack", None)
+        route = stack.pop() if stack else None
         if route is None:
             return
         route.__exit__(None, None, None)
@@ -350,6 +351,8 @@ class QAttnPatch:
         self.recorder = recorder
         self._scheduler = None
         self.denoisers: dict[str, _PatchedDenoiser] = {}
+        self._plans: dict[str, QAttnPlan] = {}  # kept after unpatch, for inspection
+        self._layer_names: dict[str, list[str]] = {}
         self._models = {name: weakref.ref(model) for name, model in models.items()}
         self._follow_scheduler(scheduler, announce=False)
 
@@ -362,6 +365,8 @@ class QAttnPatch:
                     raise ValueError(f"{name} ({type(model).__name__}) has no attention modules to patch")
                 resolved = _resolve_plan(plan, model, len(layers)) if self.recorder is None else QAttnPlan()
                 self.denoisers[name] = _PatchedDenoiser(self, name, model, resolved, layers)
+                self._plans[name] = resolved
+                self._layer_names[name] = [layer_name for layer_name, _ in layers]
         except BaseException:
             self.unpatch()
             raise
@@ -399,19 +404,22 @@ class QAttnPatch:
     # -- plans and layers ---------------------------------------------------------------------------
     @property
     def plans(self) -> dict[str, QAttnPlan]:
-        return {name: denoiser.plan for name, denoiser in self.denoisers.items()}
+        """The plan of each patched denoiser, by component name (``"model"`` for a bare model)."""
+        return dict(self._plans)
 
     @property
     def plan(self) -> QAttnPlan:
         """The plan of the (first) denoiser."""
-        return next(iter(self.denoisers.values())).plan
+        if not self._plans:
+            raise RuntimeError("this patch holds no plan (its installation failed)")
+        return next(iter(self._plans.values()))
 
     def layers(self, denoiser: str | None = None) -> list[str]:
         """Module names of the patched attention layers, by layer index."""
-        name = denoiser or next(iter(self.denoisers))
-        if name not in self.denoisers:
-            raise KeyError(f"denoiser must be one of {sorted(self.denoisers)}; got {denoiser!r}")
-        return list(self.denoisers[name].layer_names)
+        name = denoiser if denoiser is not None else next(iter(self._layer_names), None)
+        if name not in self._layer_names:
+            raise KeyError(f"denoiser must be one of {sorted(self._layer_names)}; got {denoiser!r}")
+        return list(self._layer_names[name])
 
     # -- undo -----------------------------------------------------------------------------------------
     @property
@@ -441,8 +449,9 @@ class QAttnPatch:
         self.unpatch()
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{name}: {len(d.layer_names)} layers" for name, d in self.denoisers.items())
-        return f"QAttnPatch({parts or 'removed'}; step {self.step}/{self.total_steps})"
+        parts = ", ".join(f"{name}: {len(names)} layers" for name, names in self._layer_names.items())
+        state = "" if self.denoisers else ", removed"
+        return f"QAttnPatch({parts}; step {self.step}/{self.total_steps}{state})"
 
 
 def _start_patch(pipe_or_transformer, plan, scheduler, recorder) -> QAttnPatch:

@@ -92,7 +92,9 @@ def key_padding_range(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: i
 
 class MaskCache:
     """Remembers the last mask's key range: a transformer passes the same mask to every layer,
-    and recognising it costs a device synchronisation."""
+    and recognising it costs a device synchronisation. A hit needs the same tensor object at the
+    same version counter (so an in-place change is seen); inference-mode tensors keep no version
+    counter and are recognised afresh at every call."""
 
     def __init__(self):
         self._mask_ref = None
@@ -100,6 +102,8 @@ class MaskCache:
         self._result = None
 
     def lookup(self, mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int) -> KeyRange | str:
+        if mask.is_inference():
+            return key_padding_range(mask, batch, heads, nq, nk)
         key = (mask._version, batch, heads, nq, nk)
         if self._mask_ref is not None and self._mask_ref() is mask and self._key == key:
             return self._result
