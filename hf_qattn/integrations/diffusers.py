@@ -105,8 +105,12 @@ def attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     classes = _attention_classes()
-    return [(name, module) for name, module in model.named_modules()
-            if isinstance(module, classes) or (hasattr(module, "processor") and callable(getattr(module, "set_processor", None)))]
+
+    def is_attention(module) -> bool:
+        return isinstance(module, classes) or (
+            hasattr(module, "processor") and callable(getattr(module, "set_processor", None)))
+
+    return [(name, module) for name, module in model.named_modules() if is_attention(module)]
 
 
 # -- plan storage -------------------------------------------------------------------------------
