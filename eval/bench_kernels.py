@@ -254,11 +254,7 @@ def main():
 
     if not args.skip_speed:
         log("== stage times")
-        stages = []
-        for warps in (4, 8):
-            tuning.table()["quantize"]["num_warps"] = warps
-            stages += [dict(stage_times(torch.float16, n=n), quantize_warps=warps) for n in (1024, 8192)]
-        tuning.table()["quantize"]["num_warps"] = min(stages, key=lambda r: r["centers+quantize_ms"])["quantize_warps"]
+        stages = [stage_times(torch.float16, n=n) for n in (1024, 8192)]
         for row in stages:
             log("   ", row)
         sections.append("## Where one call's time goes (fp16)\n\n" + markdown(stages))

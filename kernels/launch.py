@@ -83,7 +83,7 @@ def quantized_attention(
         hk, hq // hk, nk, nk_pad, tiles, score_coef,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=qk_max,
         K_TOKEN_SCALE=config["K_TOKEN_SCALE"], V_FP8=v_fp8, GRID_ROUND=grid_round,
-        num_warps=tuning.quantize_num_warps(),
+        num_warps=tuning.quantize_num_warps(block_n, d),
     )
 
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None

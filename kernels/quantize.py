@@ -91,13 +91,9 @@ def quantize_kv_kernel(
     cols = tl.arange(0, D_PAD)
     inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
 
-    # both tiles' loads go out first: this kernel is bound by memory latency and bandwidth
+    # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
     k = tl.load(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
                 mask=inside, other=0.0).to(tl.float32)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
-                mask=inside, other=0.0).to(tl.float32)
-
-    # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
     k_bar = tl.load(K_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     k = tl.where(inside, k - k_bar[None, :], 0.0)
     if K_TOKEN_SCALE:
@@ -117,6 +113,8 @@ def quantize_kv_kernel(
         tl.store(DS + bhq * NK_PAD + rows, tl.sum(k * q_bar[None, :], axis=1) * score_coef)
 
     # --- V: subtract v̄, scale per channel over this tile, FP8 E4M3 (or FP16 where no FP8 MMA).
+    v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
+                mask=inside, other=0.0).to(tl.float32)
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(inside, v - v_bar[None, :], 0.0)
     if V_FP8:

@@ -50,8 +50,10 @@ def center_sample() -> int:
     return int(table()["center_sample"])
 
 
-def quantize_num_warps() -> int:
-    return int(table()["quantize"]["num_warps"])
+def quantize_num_warps(block_n: int, head_dim: int) -> int:
+    """Warps for the K/V quantization kernel: one per 1024 elements of its tile (≈ 90 registers a
+    thread for two fp32 tiles, so several programs share an SM), between 4 and 16."""
+    return max(4, min(16, block_n * padded_head_dim(head_dim) // 1024))
 
 
 def reference_settings(config: dict) -> dict:
