@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hf_qattn
+from hf_qattn.cli import CLIError
 from hf_qattn.integrations import diffusers as integration
 from hf_qattn.integrations.diffusers_calibration import PipelineCalibration, plot_scores
 from hf_qattn.integrations.diffusers_cli import add_calibrate_pipeline_parser, run_calibrate_pipeline
@@ -213,11 +214,12 @@ def test_cli_calibrate_pipeline(seed, tmp_path, capsys):
     assert integration.stored_plan(reloaded.transformer).to_dict() == plan.to_dict()
     assert "int8" in capsys.readouterr().out
 
-    with pytest.raises(SystemExit):  # --prompts is required
-        parser.parse_args(["calibrate-pipeline", str(tmp_path / "pipe"), "--out", str(out)])
+    for bad in ([], ["--ratio", "2"], ["--steps", "0"]):  # --prompts missing, ratio / steps out of range
+        with pytest.raises(SystemExit):
+            parser.parse_args(["calibrate-pipeline", str(tmp_path / "pipe"), "--out", str(out), *bad])
     args.prompts = str(tmp_path / "missing.txt")
-    with pytest.raises(FileNotFoundError, match="--prompts"):
+    with pytest.raises(CLIError, match="--prompts"):
         run_calibrate_pipeline(args)
-    args.prompts, args.ratio = str(prompts), 2.0
-    with pytest.raises(ValueError, match="--ratio"):
+    args.prompts, args.pipeline_dir = str(prompts), str(tmp_path / "nowhere")
+    with pytest.raises(CLIError, match="PIPELINE_DIR"):
         run_calibrate_pipeline(args)
