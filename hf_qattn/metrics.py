@@ -26,13 +26,15 @@ class Accuracy:
 
 
 def accuracy(out: torch.Tensor, ref: torch.Tensor) -> Accuracy:
-    """Compare ``out`` with ``ref`` (same shape). NaN anywhere makes every metric NaN."""
+    """Compare ``out`` with ``ref`` (same shape). A NaN or inf in ``out`` makes every metric NaN."""
     if out.shape != ref.shape:
         raise ValueError(f"out and ref must have the same shape, got {tuple(out.shape)} and {tuple(ref.shape)}")
     o = out.detach().reshape(-1).double()
     r = ref.detach().reshape(-1).to(o.device).double()
     if o.numel() == 0:
         return Accuracy(1.0, 0.0, 0.0)
+    if not torch.isfinite(o).all():  # a NaN or inf output never passes for close
+        return Accuracy(float("nan"), float("nan"), float("nan"))
     diff = o - r
     norm = o.norm() * r.norm()
     cos = (o @ r / norm).item() if norm > 0 else float(torch.equal(o, r))

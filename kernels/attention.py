@@ -30,48 +30,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _scores(q_int, q_coef, kq_desc, KS_bh, DS_bhq, kq_row0, start, BLOCK_N: tl.constexpr, K_TOKEN_SCALE: tl.constexpr):
-    """S of one key tile (times sm_scale·log2 e): integer MMA, dequantized by the scales' outer product, + ΔS."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    qk = int32_to_float(tl.dot(q_int, kq_desc.load([kq_row0 + start, 0]).T))
-    if K_TOKEN_SCALE:
-        s = qk * (q_coef[:, None] * tl.load(KS_bh + offs_n)[None, :])
-    else:
-        s = qk * (q_coef * tl.load(KS_bh + start // BLOCK_N))[:, None]
-    return s + tl.load(DS_bhq + offs_n)[None, :]
-
-
-@triton.jit
-def _softmax_pv(
-    acc, l_i, m_i, s, offs_m, vq_desc, VS_bh, vq_row0, start, kv_lo, kv_hi, diag_offset,
-    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
-):
-    """Online-softmax update with one tile's scores ``s``, then P·V into the running output."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        visible = ((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag_offset)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = m_new
-    if MASKED:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    p = tl.math.exp2(s - (m_use - P_LOG2)[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    # P·V in a fresh accumulator, then scaled and added to the FP32 output
-    v = vq_desc.load([vq_row0, start]).T
-    if V_FP8:
-        pv = tl.dot(to_fp8_e4m3(p, GRID_ROUND), v)
-    else:
-        pv = tl.dot(p.to(tl.float16), v)
-    acc = acc * alpha[:, None] + pv * tl.load(VS_bh + (start // BLOCK_N) * D_PAD + tl.arange(0, D_PAD))[None, :]
-    return acc, l_i, m_new
-
-
-@triton.jit
 def _key_tiles(
     acc, l_i, m_i, q_int, q_coef, offs_m,
     kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, kq_row0, vq_row0,
@@ -79,27 +37,40 @@ def _key_tiles(
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):
-    """Tiles starting at lo, lo + BLOCK_N, … < hi. In the clean (unmasked) run the next tile's Q·Kᵀ
-    is issued before this tile's softmax, so the tensor cores work while the softmax runs; the
-    masked edges (one or two tiles) run plainly."""
-    if MASKED:
-        for start in range(lo, hi, BLOCK_N):
-            start = tl.multiple_of(start, BLOCK_N)
-            s = _scores(q_int, q_coef, kq_desc, KS_bh, DS_bhq, kq_row0, start, BLOCK_N, K_TOKEN_SCALE)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, offs_m, vq_desc, VS_bh, vq_row0, start, kv_lo, kv_hi,
-                                        diag_offset, D_PAD, BLOCK_N, MASKED, CAUSAL, V_FP8, P_LOG2, GRID_ROUND)
-    elif lo < hi:  # clean runs start and end on tile boundaries
-        s = _scores(q_int, q_coef, kq_desc, KS_bh, DS_bhq, kq_row0, lo, BLOCK_N, K_TOKEN_SCALE)
-        for start in range(lo, hi - BLOCK_N, BLOCK_N):
-            start = tl.multiple_of(start, BLOCK_N)
-            s_next = _scores(q_int, q_coef, kq_desc, KS_bh, DS_bhq, kq_row0, start + BLOCK_N, BLOCK_N,
-                             K_TOKEN_SCALE)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, offs_m, vq_desc, VS_bh, vq_row0, start, kv_lo, kv_hi,
-                                        diag_offset, D_PAD, BLOCK_N, MASKED, CAUSAL, V_FP8, P_LOG2, GRID_ROUND)
-            s = s_next
-        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, offs_m, vq_desc, VS_bh, vq_row0,
-                                    tl.multiple_of(hi - BLOCK_N, BLOCK_N), kv_lo, kv_hi, diag_offset,
-                                    D_PAD, BLOCK_N, MASKED, CAUSAL, V_FP8, P_LOG2, GRID_ROUND)
+    offs_d = tl.arange(0, D_PAD)
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tile = start // BLOCK_N
+        # -- scores: integer MMA, dequantized by the scales' outer product, plus ΔS
+        k = kq_desc.load([kq_row0 + start, 0])
+        qk = int32_to_float(tl.dot(q_int, k.T))
+        if K_TOKEN_SCALE:
+            s = qk * (q_coef[:, None] * tl.load(KS_bh + offs_n)[None, :])
+        else:
+            s = qk * (q_coef * tl.load(KS_bh + tile))[:, None]
+        s += tl.load(DS_bhq + offs_n)[None, :]
+        if MASKED:
+            visible = ((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag_offset)
+            s = tl.where(visible, s, float("-inf"))
+        # -- online softmax in base 2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.math.exp2(s - (m_use - P_LOG2)[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # -- P·V in a fresh accumulator, then scaled and added to the FP32 output
+        v = vq_desc.load([vq_row0, start]).T
+        if V_FP8:
+            pv = tl.dot(to_fp8_e4m3(p, GRID_ROUND), v)
+        else:
+            pv = tl.dot(p.to(tl.float16), v)
+        acc = acc * alpha[:, None] + pv * tl.load(VS_bh + tile * D_PAD + offs_d)[None, :]
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -187,5 +158,5 @@ def attention_kernel(
     if RETURN_LSE:
         k_bar = tl.load(K_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
         shift = tl.sum(q * k_bar[None, :], axis=1) * (score_coef / LOG2E)
-        lse = tl.where(seen, (m_i + tl.math.log2(l_i) - P_LOG2) / LOG2E + shift, float("-inf"))
+        lse = tl.where(seen, (m_i + tl.math.log2(tl.maximum(l_i, 1e-30)) - P_LOG2) / LOG2E + shift, float("-inf"))
         tl.store(LSE + bhq.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)

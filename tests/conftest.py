@@ -76,3 +76,9 @@ def tiny_model():
         return model.eval()
 
     return build
+
+
+# The real Triton kernels run on the CPU under Triton's interpreter. The switch is read when a
+# kernel module is imported, so it is set here, before any test imports hf_qattn.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

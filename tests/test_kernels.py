@@ -1,0 +1,147 @@
+"""The real Triton kernels against the reference with the same tiles.
+
+On a machine without a GPU they run under TRITON_INTERPRET=1 (set in conftest.py) with the
+interpreter's small tiles, so small shapes still cross many tile boundaries. The kernel and the
+reference compute the same function step by step; they may differ only where float32 rounding
+(sum order of the smoothing centers, say) flips an FP8 or INT rounding, i.e. by a few FP8 steps
+on a few elements. Mutated copies of the kernel (ΔS dropped, v̄ dropped, causal diagonal moved)
+must fail the same check — that is what makes the tolerance meaningful.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import hf_qattn  # noqa: E402
+from hf_qattn import reference  # noqa: E402
+from hf_qattn.kernels import attention, launch, tuning  # noqa: E402
+from hf_qattn.metrics import accuracy  # noqa: E402
+
+if not (torch.cuda.is_available() or tuning.interpreting()):
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def outlier_qkv(b, hq, hk, nq, nk, d, dtype):
+    def make(h, n, offset):
+        return torch.randn(b, h, n, d) + offset * torch.randn(1, h, 1, d)
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (make(hq, nq, 3.0), make(hk, nk, 8.0), make(hk, nk, 2.0)))
+
+
+def kernel_and_reference(q, k, v, *, layout="HND", causal=False, qk="int8", kv_start=None, kv_end=None):
+    """(kernel out, kernel lse, reference out, reference lse), all HND; reference with the kernel's tiles."""
+    args = (q, k, v) if layout == "HND" else tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out, lse = hf_qattn.qattn(*args, is_causal=causal, qk=qk, layout=layout, kv_start=kv_start, kv_end=kv_end,
+                              return_lse=True, backend="triton")
+    if layout == "NHD":
+        out = out.transpose(1, 2)
+    config = tuning.attention_config(tuning.arch_of(q.device), q.shape[-1], causal, "fp8")
+    ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=causal, qk=qk, kv_start=kv_start, kv_end=kv_end,
+                                                 return_lse=True, **tuning.reference_settings(config))
+    return out, lse, ref, ref_lse
+
+
+def mismatch(out, ref, lse, ref_lse) -> str | None:
+    """Why the kernel's result is not the reference's up to a few FP8 steps, or None if it is."""
+    # one step of the output dtype is allowed on top: the interpreter rounds float32 → bfloat16 by
+    # truncation where the GPU rounds to nearest
+    dtype_step = torch.finfo(out.dtype).eps
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return "non-finite output"
+    scale = ref.abs().max().clamp_min(1e-6)
+    diff = (out - ref).abs()
+    if diff.max() > 0.03 * scale:
+        return f"max |kernel − reference| = {diff.max():.4g} > 3% of max |ref| ({scale:.4g})"
+    if diff.mean() > (2e-3 + dtype_step) * ref.abs().mean():
+        return f"mean |kernel − reference| = {diff.mean():.4g} > {2e-3 + dtype_step:.2%} of mean |ref|"
+    finite = torch.isfinite(ref_lse)
+    if not torch.equal(finite, torch.isfinite(lse)):
+        return "lse is infinite in different rows"
+    if finite.any() and (lse - ref_lse)[finite].abs().max() > 1e-3:
+        return f"max lse difference {(lse - ref_lse)[finite].abs().max():.3g} > 1e-3"
+    return None
+
+
+CASES = [
+    dict(b=2, hq=4, hk=2, nq=70, nk=70, d=64, causal=False, dtype=torch.float16),
+    dict(b=2, hq=4, hk=2, nq=70, nk=70, d=64, causal=True, dtype=torch.bfloat16),
+    dict(b=1, hq=3, hk=1, nq=20, nk=53, d=32, causal=True, dtype=torch.float16),  # bottom-right diagonal
+    dict(b=2, hq=2, hk=2, nq=40, nk=24, d=32, causal=True, dtype=torch.bfloat16),  # rows with no key
+    dict(b=2, hq=4, hk=4, nq=1, nk=45, d=64, causal=True, dtype=torch.float16),  # decoding
+    dict(b=1, hq=2, hk=2, nq=33, nk=33, d=40, causal=False, dtype=torch.float32),  # head dim padded to 64
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items() if k != "dtype")
+                         + "-" + str(c["dtype"]).split(".")[-1])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_kernel_matches_reference(seed, case, layout):
+    q, k, v = outlier_qkv(case["b"], case["hq"], case["hk"], case["nq"], case["nk"], case["d"], case["dtype"])
+    out, lse, ref, ref_lse = kernel_and_reference(q, k, v, layout=layout, causal=case["causal"])
+    assert out.dtype == case["dtype"]
+    assert mismatch(out, ref, lse, ref_lse) is None, mismatch(out, ref, lse, ref_lse)
+    exact = reference.exact_attention(q, k, v, is_causal=case["causal"])
+    assert accuracy(out, exact).rel_l1 < 0.03, accuracy(out, exact)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_int4_and_key_ranges(seed, causal):
+    q, k, v = outlier_qkv(3, 2, 2, 50, 50, 32, torch.float16)
+    start = torch.tensor([0, 7, 20], device=DEVICE)
+    end = torch.tensor([50, 41, 50], device=DEVICE)
+    for qk in ("int8", "int4"):
+        out, lse, ref, ref_lse = kernel_and_reference(q, k, v, causal=causal, qk=qk, kv_start=start, kv_end=end)
+        assert mismatch(out, ref, lse, ref_lse) is None, (qk, mismatch(out, ref, lse, ref_lse))
+        exact = reference.exact_attention(q, k, v, is_causal=causal, kv_start=start, kv_end=end)
+        assert accuracy(out, exact).rel_l1 < (0.03 if qk == "int8" else 0.3)
+
+
+def test_outputs_are_fully_written(seed):
+    """Every output element is written: poison the buffer, run, check nothing of the poison is left."""
+    q, k, v = outlier_qkv(1, 2, 2, 37, 37, 32, torch.float16)
+    out = torch.full_like(q, float("nan"))
+    lse = launch.quantized_attention(q, k, v, out, is_causal=True, sm_scale=32 ** -0.5, qk="int8", v_fp8=True,
+                                     smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None,
+                                     return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+# --- mutants: the check above must catch a broken kernel -------------------------------------------
+MUTATIONS = {
+    "drop ΔS": ("s += tl.load(DS_bhq + offs_n)[None, :]", "s += 0.0 * tl.load(DS_bhq + offs_n)[None, :]"),
+    "drop v̄": ("acc / l_i[:, None] + v_bar[None, :]", "acc / l_i[:, None]"),
+    "causal diagonal top-left": ("diag_offset = NK - NQ", "diag_offset = NK * 0"),
+}
+
+
+def mutant_kernel(tmp_path, old, new):
+    """A copy of the attention kernel module with one edit, importable as a fresh module."""
+    source = inspect.getsource(attention)
+    assert source.count(old) == 1, old
+    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
+    path = tmp_path / f"mutant_{abs(hash(new))}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module.attention_kernel
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
+    q, k, v = outlier_qkv(1, 2, 2, 24, 40, 32, torch.float16)
+    out, lse, ref, ref_lse = kernel_and_reference(q, k, v, causal=True)
+    assert mismatch(out, ref, lse, ref_lse) is None
+    monkeypatch.setattr(launch, "attention_kernel", mutant_kernel(tmp_path, *MUTATIONS[name]))
+    out, lse, ref, ref_lse = kernel_and_reference(q, k, v, causal=True)
+    assert mismatch(out, ref, lse, ref_lse) is not None, f"the mutant '{name}' passed the check"
