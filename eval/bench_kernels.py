@@ -62,7 +62,7 @@ def check(dtype):
                                   seed=len(rows), dtype=dtype, device="cuda")
             q, k, v = q[:, :, :case["nq"]], k[:, :, :case["nk"]], v[:, :, :case["nk"]]
             out, lse = hf_qattn.qattn(q, k, v, is_causal=case["causal"], qk=qk, return_lse=True)
-            config = tuning.attention_config(tuning.arch_of(q.device), case["d"], case["causal"], "fp8")
+            config = tuning.attention_config(tuning.arch_of(q.device), case["d"], case["causal"], "fp8", qk)
             ref, ref_lse = reference.quantized_attention(
                 q, k, v, is_causal=case["causal"], qk=qk, return_lse=True, **tuning.reference_settings(config))
             exact = reference.exact_attention(q, k, v, is_causal=case["causal"])

@@ -60,7 +60,7 @@ def quantized_attention(
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
     if config is None:
-        config = tuning.attention_config(tuning.arch_of(device), d, is_causal, "fp8" if v_fp8 else "fp16")
+        config = tuning.attention_config(tuning.arch_of(device), d, is_causal, "fp8" if v_fp8 else "fp16", qk)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     d_pad = tuning.padded_head_dim(d)
     tiles = math.ceil(nk / block_n)

@@ -2,7 +2,7 @@
 
 A configuration is the default entry updated, in order, by every rule whose named keys all match
 the call: ``arch`` (``"sm90"``…, or ``"interpreter"`` under TRITON_INTERPRET), ``head_dim`` (padded),
-``causal`` and ``pv``. The benchmark writes better rules back into the file, not into code.
+``causal``, ``pv`` and ``qk``. The benchmark writes better rules back into the file, not into code.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def padded_head_dim(head_dim: int) -> int:
     return max(32, 1 << (head_dim - 1).bit_length())
 
 
-def attention_config(arch: str, head_dim: int, causal: bool, pv: str) -> dict:
+def attention_config(arch: str, head_dim: int, causal: bool, pv: str = "fp8", qk: str = "int8") -> dict:
     entry = table()["attention"]
     config = dict(entry["default"])
-    call = {"arch": arch, "head_dim": padded_head_dim(head_dim), "causal": causal, "pv": pv}
+    call = {"arch": arch, "head_dim": padded_head_dim(head_dim), "causal": causal, "pv": pv, "qk": qk}
     for rule in entry["rules"]:
         if all(rule[key] == value for key, value in call.items() if key in rule):
             config.update({key: value for key, value in rule.items() if key not in call})

@@ -43,7 +43,7 @@ def kernel_and_reference(q, k, v, *, layout="HND", causal=False, qk="int8", kv_s
                               return_lse=True, backend="triton")
     if layout == "NHD":
         out = out.transpose(1, 2)
-    config = tuning.attention_config(tuning.arch_of(q.device), q.shape[-1], causal, "fp8")
+    config = tuning.attention_config(tuning.arch_of(q.device), q.shape[-1], causal, "fp8", qk)
     ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=causal, qk=qk, kv_start=kv_start, kv_end=kv_end,
                                                  return_lse=True, **tuning.reference_settings(config))
     return out, lse, ref, ref_lse
