@@ -389,3 +389,22 @@ def test_minilm_int8_embeddings_match_sdpa():
     out = sentence_embeddings(q_model, tokenizer, sentences, torch.device("cpu"))
     cosine = (ref * out).sum(-1)
     assert cosine.min() >= 0.999, cosine.min()
+
+
+def test_runs_inside_torch_compile(tiny_model, fresh_stats, monkeypatch):
+    """transformers compiles static-cache decoding on GPU: the attention call must leave the graph
+    and run eagerly (tracing the kernels' launch and the mask analysis breaks inductor)."""
+    eager_calls = []
+    monkeypatch.setattr(integration, "_eager_attention_forward", torch.compiler.disable(
+        lambda *args, **kwargs: eager_calls.append(1) or integration.qattn_attention_forward(*args, **kwargs)))
+    model = tiny_model("llama", attn="qattn")
+    ids = torch.randint(3, 128, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        compiled = torch.compile(model, backend="eager")
+        got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, expected)
+    assert len(eager_calls) == 2  # both layers of the compiled forward
+    assert fresh_stats()["calls"] == {"reference": 4}

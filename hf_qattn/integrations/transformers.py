@@ -350,6 +350,11 @@ def calibrating(observer):
 def qattn_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function: q, k, v (B, H, N, D) in, ((B, N, H, D) output, None) out."""
+    if torch.compiler.is_compiling():
+        # Inside torch.compile (transformers compiles static-cache decoding) run this call eagerly:
+        # the mask analysis reads tensor values and the kernels are launched by their own code.
+        return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                        scaling=scaling, is_causal=is_causal, **kwargs)
     observer = _calibrator.get()
     if observer is not None:
         out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -382,6 +387,9 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
     out = api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
                     kv_start=pattern.kv_start, kv_end=pattern.kv_end)
     return out.transpose(1, 2).contiguous(), None
+
+
+_eager_attention_forward = torch.compiler.disable(qattn_attention_forward)
 
 
 # ------------------------------------------------------------------------------------------------
