@@ -408,3 +408,25 @@ def test_runs_inside_torch_compile(tiny_model, fresh_stats, monkeypatch):
     torch.testing.assert_close(got, expected)
     assert len(eager_calls) == 2  # both layers of the compiled forward
     assert fresh_stats()["calls"] == {"reference": 4}
+
+
+def test_own_eager_fallback_softcap_and_sinks(fresh_stats):
+    """Models without an eager function of their own still get soft-capping and sinks right."""
+
+    class Attention(torch.nn.Module):  # its module (this test file) has no eager_attention_forward
+        is_causal = True
+        layer_idx = 0
+
+    module = Attention().eval()
+    q, k, v = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    sinks = torch.randn(4)
+    with pytest.warns(RuntimeWarning, match="soft-capping"):
+        out, weights = integration.qattn_attention_forward(module, q, k, v, None, scaling=0.3, softcap=2.0,
+                                                           sinks=sinks)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = torch.tanh(q @ kk.transpose(-1, -2) * 0.3 / 2.0) * 2.0
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    full = torch.cat([scores, sinks.view(1, 4, 1, 1).expand(2, 4, 6, 1)], -1).softmax(-1)
+    torch.testing.assert_close(weights, full[..., :-1])
+    torch.testing.assert_close(out, (full[..., :-1] @ vv).transpose(1, 2))
+    assert fresh_stats()["fallbacks"] == {integration.REASON_SOFTCAP: 1}

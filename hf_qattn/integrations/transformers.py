@@ -10,6 +10,13 @@ Importing :mod:`hf_qattn` arranges for two registrations as soon as transformers
 After that ``from_pretrained(path, attn_implementation="qattn")`` and
 ``model.set_attn_implementation("qattn")`` work for every model that uses the interface.
 
+The same registration wraps ``PreTrainedModel.post_init`` once (:func:`on_model_init`): every
+model construction — ``from_pretrained``, ``from_config``, a plain constructor — validates
+``config.qattn_plan`` when present (version, precisions, layer indices against
+``num_hidden_layers``) and raises :class:`hf_qattn.PlanError` there, at load, never at the first
+forward; it also numbers the attention modules of models that have no ``layer_idx`` (ViT, ...).
+The plan is applied whenever the model runs with ``attn_implementation="qattn"``.
+
 Per call, :func:`qattn_attention_forward`
 
 1. reads the layer's precision from the plan in ``module.config.qattn_plan`` by the layer index
