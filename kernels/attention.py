@@ -106,6 +106,7 @@ def attention_kernel(
         row_max = tl.reshape(tl.broadcast_to(group_max[:, None], (BLOCK_M // Q_GROUP, Q_GROUP)), (BLOCK_M,))
     q_scale = tl.maximum(row_max, SCALE_FLOOR) / QK_MAX
     q_int = quantize_symmetric(qs, q_scale[:, None], QK_MAX)
+    score_coef = tl.cast(score_coef, tl.float32)  # torch.compile may hand Python floats over as fp64
     q_coef = q_scale * score_coef
 
     # --- which key tiles to visit: [kv_lo, kv_hi) ∩ causal, split into masked edges and a clean middle

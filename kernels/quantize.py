@@ -85,6 +85,7 @@ def quantize_kv_kernel(
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
+    score_coef = tl.cast(score_coef, tl.float32)  # torch.compile may hand Python floats over as fp64
     b = (bh // HK).to(tl.int64)
     hk = bh % HK
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
