@@ -146,12 +146,17 @@ def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
     q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
     centers = time_ms(lambda: launch.smoothing_centers(q, k, v, True, True, True))
     total = time_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=causal))
+    # the same call replayed from a CUDA graph: GPU time alone, without Python and launch overhead
+    graphed = triton.testing.do_bench_cudagraph(lambda: hf_qattn.qattn(q, k, v, is_causal=causal), rep=200,
+                                                return_mode="median")
+    cudnn_ms = time_ms(sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal))
     # the quantize kernel alone: time the launcher with an attention of zero query rows
     quant_only = time_ms(lambda: launch.quantized_attention(
         q[:, :, :0], k, v, torch.empty_like(q[:, :, :0]), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
         v_fp8=True, smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False))
     return {"shape": f"B{batch} H{heads} N{n} d{d} causal={causal}", "centers_ms": centers,
-            "centers+quantize_ms": quant_only, "total_ms": total, "attention_ms(est)": total - quant_only}
+            "centers+quantize_ms": quant_only, "total_ms": total, "attention_ms(est)": total - quant_only,
+            "total_ms_cuda_graph": graphed, "cudnn_ms": cudnn_ms}
 
 
 def tune(dtype, n=8192):
@@ -210,6 +215,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--tune", action="store_true", help="also sweep tile configurations")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--stages-only", action="store_true", help="only the per-stage times of one call")
     parser.add_argument("--out", default=None, help="markdown file to write (default eval/results/kernels-<gpu>-<date>.md)")
     args = parser.parse_args()
 
@@ -228,6 +234,14 @@ def main():
               f"sageattention {'1.0.6' if sageattn else 'not installed'}")
     log(header)
     sections = [f"# Kernel benchmark — {gpu}\n\n{header}\n"]
+
+    if args.stages_only:
+        rows = [stage_times(dtype, d=d, n=n) for dtype in (torch.float16,) for d in (64, 128) for n in (1024, 8192)]
+        for row in rows:
+            log("   ", row)
+        sections.append("## Where one call's time goes (fp16)\n\n" + markdown(rows))
+        save()
+        return
 
     log("== check: kernels vs reference (same tiles)")
     check_rows = check(torch.float16) + check(torch.bfloat16)
