@@ -261,6 +261,7 @@ def main():
         log("== tile sweep (qattn-8b, fp16, N=8192); the winners are used for the rest of this run")
         rules, tune_rows = tune(torch.float16)
         tuning.table()["attention"]["rules"].extend(rules)
+        tuning._attention_config.cache_clear()
         sections.append("## Tile sweep (top 3 per shape, qattn-8b fp16)\n\n" + markdown(tune_rows)
                         + "\nRules applied:\n\n```json\n" + json.dumps(rules, indent=1) + "\n```\n")
         log(json.dumps(rules))

@@ -91,15 +91,21 @@ def _kernel_gap(q: torch.Tensor) -> str | None:
     """Why the kernels cannot serve a CUDA call, or None when they can."""
     if not _triton_available():
         return "Triton is not installed"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    if _capability(q.device) < (8, 0):
         return "GPU compute capability below 8.0"
     if q.shape[-1] > MAX_KERNEL_HEAD_DIM:
         return f"head_dim {q.shape[-1]} > {MAX_KERNEL_HEAD_DIM}"
     return None
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    from hf_qattn.kernels.tuning import capability
+
+    return capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _has_fp8_mma(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type != "cuda" or _capability(device) >= (8, 9)
 
 
 def qattn(

@@ -78,7 +78,7 @@ def quantized_attention(
     kq_desc = TensorDescriptor.from_tensor(kq, [block_n, d_pad])
     vq_desc = TensorDescriptor.from_tensor(vq, [d_pad, block_n])
     quantize_kv_kernel[(tiles, b * hk)](
-        k, v, k_bar, v_bar, q_bar, kq_desc, ks, vq_desc, vs, ds,
+        k, v, k_bar, v_bar, q_bar, kq, ks, vq, vs, ds,
         *k.stride(), *v.stride(),
         hk, hq // hk, nk, nk_pad, tiles, score_coef,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=qk_max,

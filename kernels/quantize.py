@@ -76,7 +76,7 @@ def centers_kernel(
 @triton.jit
 def quantize_kv_kernel(
     K, V, K_BAR, V_BAR, Q_BAR,
-    kq_desc, KS, vq_desc, VS, DS,
+    KQ, KS, VQ, VS, DS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
@@ -105,7 +105,7 @@ def quantize_kv_kernel(
         k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), SCALE_FLOOR) / QK_MAX
         tl.store(KS + bh * NUM_TILES + tile, k_scale)
         kq = quantize_symmetric(k, k_scale, QK_MAX)
-    kq_desc.store([bh * NK_PAD + tile * BLOCK_N, 0], kq)
+    tl.store(KQ + (bh.to(tl.int64) * NK_PAD + rows[:, None]) * D_PAD + cols[None, :], kq)
 
     # --- ΔS = q̄·(K − k̄)ᵀ for each query head reading this kv head, from the unquantized K.
     for g in range(GROUPS):
@@ -124,5 +124,6 @@ def quantize_kv_kernel(
     else:
         v_scale = tl.full([D_PAD], 1.0, tl.float32)
         vq = v.to(tl.float16)
-    vq_desc.store([bh * D_PAD, tile * BLOCK_N], tl.trans(vq))
+    # transposed so that the stores run along tokens (coalesced); the attention kernel reads V̂ᵀ tiles
+    tl.store(VQ + (bh.to(tl.int64) * D_PAD + cols[:, None]) * NK_PAD + rows[None, :], tl.trans(vq))
     tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, v_scale)

@@ -27,8 +27,14 @@ def interpreting() -> bool:
 def arch_of(device: torch.device) -> str:
     if interpreting() or device.type != "cuda":
         return "interpreter"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device.index if device.index is not None else torch.cuda.current_device())
     return f"sm{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of a CUDA device, asked once (it is on every call's path)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -37,6 +43,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def attention_config(arch: str, head_dim: int, causal: bool, pv: str = "fp8", qk: str = "int8") -> dict:
+    """The tile configuration for one call (a fresh dict; the lookup itself is cached)."""
+    return dict(_attention_config(arch, padded_head_dim(head_dim), causal, pv, qk))
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_config(arch: str, head_dim: int, causal: bool, pv: str, qk: str) -> dict:
     entry = table()["attention"]
     config = dict(entry["default"])
     call = {"arch": arch, "head_dim": padded_head_dim(head_dim), "causal": causal, "pv": pv, "qk": qk}
