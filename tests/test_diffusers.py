@@ -5,8 +5,6 @@ plans, step counting under classifier-free guidance, masks, fallbacks, and unpat
 from __future__ import annotations
 
 import copy
-import os
-import time
 import warnings
 
 import pytest
@@ -38,19 +36,8 @@ TOLERANCES = {"flux": (0.003, 0.010), "sd3": (0.003, 0.006), "cogvideox": (0.008
 
 
 @pytest.fixture
-def seed() -> int:
-    """Fresh seed each run (or HF_QATTN_SEED); printed, so a failure report shows it."""
-    value = int(os.environ.get("HF_QATTN_SEED", time.time_ns() % 2**31))
-    torch.manual_seed(value)
-    print(f"random seed: {value}  (replay with HF_QATTN_SEED={value})")
-    return value
-
-
-@pytest.fixture
-def stats():
-    hf_qattn.reset_fallback_stats()
-    yield hf_qattn.fallback_stats
-    hf_qattn.reset_fallback_stats()
+def stats(fresh_stats):
+    return fresh_stats
 
 
 # -- tiny pipelines (text encoders bypassed with prompt_embeds) -----------------------------------

@@ -27,15 +27,6 @@ RATIO = 0.3
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def seed() -> int:
-    """Fresh seed each run (or HF_QATTN_SEED); printed, so a failure report shows it."""
-    value = int(os.environ.get("HF_QATTN_SEED", time.time_ns() % 2**31))
-    torch.manual_seed(value)
-    print(f"random seed: {value}  (replay with HF_QATTN_SEED={value})")
-    return value
-
-
 def split_prompt(kwargs: dict, prompts: int):
     """``prompts`` calibration prompts (fresh prompt embeddings) and the arguments common to all."""
     common = {k: v for k, v in kwargs.items() if k not in ("prompt_embeds", "negative_prompt_embeds")}

@@ -17,34 +17,9 @@ import argparse
 import json
 import os
 
+from ..cli_args import CLIError, positive_int, ratio
+
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _user_error(message: str) -> Exception:
-    """The CLI's error for problems the user can fix (printed without a traceback by ``hf-qattn``)."""
-    from ..cli import CLIError  # imported late: hf_qattn.cli imports this module
-
-    return CLIError(message)
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1]; got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] (share of entries marked int8); got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value
 
 
 def add_calibrate_pipeline_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,8 +35,8 @@ def add_calibrate_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--prompts", required=True, metavar="FILE",
                         help="prompts: a text file with one prompt per line (blank lines and lines starting with # "
                              "are skipped), or a JSON list of strings")
-    parser.add_argument("--steps", type=_positive_int, default=50, metavar="N", help="denoising steps per prompt (default 50)")
-    parser.add_argument("--ratio", type=_ratio, default=0.3, metavar="R",
+    parser.add_argument("--steps", type=positive_int, default=50, metavar="N", help="denoising steps per prompt (default 50)")
+    parser.add_argument("--ratio", type=ratio, default=0.3, metavar="R",
                         help="share of (step, layer) entries marked int8, in [0, 1] (default 0.3)")
     parser.add_argument("--out", required=True, metavar="OUT_DIR", help="output folder (created if missing)")
     parser.add_argument("--height", type=int, help="image / video height passed to the pipeline")
@@ -81,18 +56,18 @@ def add_calibrate_pipeline_parser(subparsers) -> argparse.ArgumentParser:
 def read_prompts(path: str) -> list[str]:
     """Prompts from a text file (one per line) or a JSON list of strings."""
     if not os.path.isfile(path):
-        raise _user_error(f"--prompts: no such file: {path}")
+        raise CLIError(f"--prompts: no such file: {path}")
     with open(path, encoding="utf-8") as file:
         text = file.read()
     if path.endswith(".json"):
         prompts = json.loads(text)
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise _user_error(f"--prompts: {path} must hold a JSON list of strings")
+            raise CLIError(f"--prompts: {path} must hold a JSON list of strings")
     else:
         prompts = [line.strip() for line in text.splitlines()]
         prompts = [line for line in prompts if line and not line.startswith("#")]
     if not prompts:
-        raise _user_error(f"--prompts: {path} holds no prompt")
+        raise CLIError(f"--prompts: {path} holds no prompt")
     return prompts
 
 
@@ -109,11 +84,11 @@ def run_calibrate_pipeline(args: argparse.Namespace) -> int:
     """Run ``calibrate-pipeline`` with parsed ``args``; returns the exit status (0 on success).
     Problems with the arguments raise ``hf_qattn.cli.CLIError`` (printed by ``hf-qattn``)."""
     if not isinstance(args.steps, int) or args.steps < 1:
-        raise _user_error(f"--steps must be a positive integer; got {args.steps}")
+        raise CLIError(f"--steps must be a positive integer; got {args.steps}")
     if not 0.0 <= args.ratio <= 1.0:
-        raise _user_error(f"--ratio must lie in [0, 1]; got {args.ratio}")
+        raise CLIError(f"--ratio must lie in [0, 1]; got {args.ratio}")
     if not os.path.isdir(args.pipeline_dir):
-        raise _user_error(f"PIPELINE_DIR: no such folder: {args.pipeline_dir}")
+        raise CLIError(f"PIPELINE_DIR: no such folder: {args.pipeline_dir}")
     prompts = read_prompts(args.prompts)
 
     import torch

@@ -44,7 +44,6 @@ import contextvars
 import functools
 import importlib.machinery
 import importlib.util
-import math
 import sys
 import threading
 import warnings
