@@ -21,25 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .plan import PLAN_CONFIG_KEY, QAttnPlan
-from .scoring import attention_accuracy
+from .scoring import Score, attention_accuracy
 
 CALIBRATION_QK = "int4"
 METRIC = "cos_sim*(1-rel_l1)"
-
-
-@dataclass
-class LayerScore:
-    """Scores of the INT4 kernel at one layer over all calibration inputs."""
-
-    mean: float
-    worst: float
-    count: int
-    cos_sim: float
-    rel_l1: float
-
-    def as_dict(self) -> dict:
-        return {"mean": self.mean, "worst": self.worst, "count": self.count, "cos_sim": self.cos_sim,
-                "rel_l1": self.rel_l1}
 
 
 @dataclass
@@ -47,7 +32,7 @@ class CalibrationResult:
     """``plan, scores = calibrate(...)`` unpacks; ``skipped`` counts calls the kernel could not serve."""
 
     plan: QAttnPlan
-    scores: dict[int, LayerScore]
+    scores: dict[int, Score]
     skipped: dict[str, int] = field(default_factory=dict)
 
     def __iter__(self):
@@ -108,8 +93,8 @@ class _ScoreCollector:
             sums[3] += result.cos_sim
             sums[4] += result.rel_l1
 
-    def scores(self) -> dict[int, LayerScore]:
-        return {layer: LayerScore(mean=s[1] / s[0], worst=s[2], count=int(s[0]), cos_sim=s[3] / s[0], rel_l1=s[4] / s[0])
+    def scores(self) -> dict[int, Score]:
+        return {layer: Score(mean=s[1] / s[0], worst=s[2], count=int(s[0]), cos_sim=s[3] / s[0], rel_l1=s[4] / s[0])
                 for layer, s in sorted(self.sums.items())}
 
 

@@ -7,6 +7,8 @@ never the tensors.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 
 from .api import qattn
@@ -35,3 +37,18 @@ def attention_accuracy(
     if layout == "NHD":
         ref = ref.transpose(1, 2)
     return accuracy(out, ref)
+
+
+@dataclass
+class Score:
+    """A precision's score at one place (a layer, or a (step, layer) pair) over calibration inputs:
+    the mean and the worst of CosSim·(1 − RelL1), how many inputs counted, and the mean CosSim and RelL1."""
+
+    mean: float
+    worst: float
+    count: int
+    cos_sim: float
+    rel_l1: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -66,7 +66,7 @@ def test_calibration_marks_the_requested_share_of_lowest_scores(calibrated_wan):
     ranked = sorted(scores, key=lambda key: (scores[key].mean, str(key)))
     assert int8 == set(ranked[: len(int8)])  # exactly the lowest mean scores
     for score in scores.values():
-        assert score.prompts == 2
+        assert score.count == 2  # prompts
         assert 0.5 < score.worst <= score.mean + 1e-12 <= 1.0 + 1e-12
         assert score.cos_sim > 0.9 and score.rel_l1 >= 0
     assert result.skipped == {}

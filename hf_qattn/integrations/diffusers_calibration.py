@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..plan import QAttnPlan
-from ..scoring import attention_accuracy
+from ..scoring import Score, attention_accuracy
 from .diffusers import _start_patch, store_plan
 
 CALIBRATION_QK = "int4"
@@ -31,27 +31,12 @@ StepLayer = tuple[int, int]
 
 
 @dataclass
-class StepLayerScore:
-    """The INT4 kernel's score at one (step, layer): mean over prompts, worst single call."""
-
-    mean: float
-    worst: float
-    prompts: int
-    cos_sim: float
-    rel_l1: float
-
-    def as_dict(self) -> dict:
-        return {"mean": self.mean, "worst": self.worst, "prompts": self.prompts, "cos_sim": self.cos_sim,
-                "rel_l1": self.rel_l1}
-
-
-@dataclass
 class PipelineCalibration:
     """What :func:`calibrate_pipeline` found: ``plan, scores = calibrate_pipeline(...)`` unpacks
     the first denoiser's; ``plans`` / ``all_scores`` hold every denoiser's (Wan 2.2 has two)."""
 
     plans: dict[str, QAttnPlan]
-    all_scores: dict[str, dict[StepLayer, StepLayerScore]]
+    all_scores: dict[str, dict[StepLayer, Score]]
     num_steps: int
     skipped: dict[str, int] = field(default_factory=dict)
 
@@ -60,7 +45,7 @@ class PipelineCalibration:
         return next(iter(self.plans.values()))
 
     @property
-    def scores(self) -> dict[StepLayer, StepLayerScore]:
+    def scores(self) -> dict[StepLayer, Score]:
         return next(iter(self.all_scores.values()))
 
     def __iter__(self):
@@ -108,11 +93,11 @@ class _ScoreRecorder:
             self._per_prompt[key].append(tuple(sum(column) / len(calls) for column in zip(*calls)))
         self._prompt.clear()
 
-    def scores(self) -> dict[str, dict[StepLayer, StepLayerScore]]:
-        tables: dict[str, dict[StepLayer, StepLayerScore]] = defaultdict(dict)
+    def scores(self) -> dict[str, dict[StepLayer, Score]]:
+        tables: dict[str, dict[StepLayer, Score]] = defaultdict(dict)
         for (denoiser, step, layer), rows in sorted(self._per_prompt.items()):
             mean, cos, rel = (sum(column) / len(rows) for column in zip(*rows))
-            tables[denoiser][(step, layer)] = StepLayerScore(mean, self._worst[(denoiser, step, layer)], len(rows),
+            tables[denoiser][(step, layer)] = Score(mean, self._worst[(denoiser, step, layer)], len(rows),
                                                              cos, rel)
         return dict(tables)
 
