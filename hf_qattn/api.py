@@ -162,18 +162,28 @@ def qattn(
             if backend == "triton":
                 raise RuntimeError(f"backend='triton' cannot serve this call: {gap}")
             stats.record_fallback(gap)
-            result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,
-                                              kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
-            out, lse = result if return_lse else (result, None)
-            out = out if layout == "HND" else out.transpose(1, 2)
-            return (out, lse) if return_lse else out
-        if pv == "fp8" and not _has_fp8_mma(q.device):
+            path = "sdpa"
+        elif pv == "fp8" and not _has_fp8_mma(q.device):
             pv = "fp16"
     elif path == "triton" and not _triton_available():
         raise RuntimeError("backend='triton' needs Triton installed")
-    stats.record_call(path)
+    if path != "sdpa":
+        stats.record_call(path)
 
-    if path == "reference":
+    if path == "triton":
+        from hf_qattn.kernels import launch
+
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = launch.quantized_attention(
+            qh, kh, vh, out if layout == "HND" else out.transpose(1, 2), is_causal=is_causal, sm_scale=sm_scale,
+            qk=qk, v_fp8=pv == "fp8", smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
+            kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
+        return (out, lse) if return_lse else out
+
+    if path == "sdpa":
+        result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,
+                                          kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
+    else:
         from hf_qattn.kernels.tuning import attention_config, reference_settings
 
         # the tiles the H100 runs, so a CPU result is what the GPU kernels would compute
@@ -182,16 +192,6 @@ def qattn(
             qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv="fp8_e4m3" if pv == "fp8" else "fp16",
             smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end,
             return_lse=return_lse, **settings)
-        out, lse = result if return_lse else (result, None)
-        out = out if layout == "HND" else out.transpose(1, 2).contiguous()
-        return (out, lse) if return_lse else out
-
-    from hf_qattn.kernels import launch
-
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    out_h = out if layout == "HND" else out.transpose(1, 2)
-    lse = launch.quantized_attention(
-        qh, kh, vh, out_h, is_causal=is_causal, sm_scale=sm_scale, qk=qk, v_fp8=pv == "fp8",
-        smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end,
-        return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    out = out if layout == "HND" else out.transpose(1, 2).contiguous()  # q's layout, as the kernels write it
     return (out, lse) if return_lse else out

@@ -277,6 +277,14 @@ def _unsupported(query, key, value, dropout, kwargs) -> str | None:
     return None
 
 
+def kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
+    """(pattern, None) when the kernel can serve this call exactly, else (None, the reason it cannot)."""
+    reason = _unsupported(query, key, value, dropout, kwargs)
+    if reason is not None:
+        return None, reason
+    return resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+
+
 # ------------------------------------------------------------------------------------------------
 # full-precision paths
 
@@ -365,10 +373,7 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
     if observer is not None:
         out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                        is_causal=is_causal, **kwargs)
-        reason = _unsupported(query, key, value, dropout, kwargs)
-        pattern = None
-        if reason is None:
-            pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+        pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
         if reason is None:
             observer.observe(module, query, key, value, pattern, scaling)
         else:
@@ -380,10 +385,7 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         stats.record_call("fp16")
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    reason = _unsupported(query, key, value, dropout, kwargs)
-    pattern = None
-    if reason is None:
-        pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+    pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
     if reason is not None:
         stats.record_fallback(reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
