@@ -89,8 +89,8 @@ def quantized_attention(
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None
     has_range = kv_start is not None or kv_end is not None
     if has_range:
-        kv_start = torch.zeros(b, device=device, dtype=torch.int32) if kv_start is None else kv_start.to(torch.int32)
-        kv_end = torch.full((b,), nk, device=device, dtype=torch.int32) if kv_end is None else kv_end.to(torch.int32)
+        kv_start = torch.zeros(b, device=device, dtype=torch.int32) if kv_start is None else kv_start.to(torch.int32).contiguous()
+        kv_end = torch.full((b,), nk, device=device, dtype=torch.int32) if kv_end is None else kv_end.to(torch.int32).contiguous()
     attention_kernel[(triton.cdiv(nq, block_m), b * hq)](
         q, kq_desc, ks, vq_desc, vs, ds, q_bar, k_bar, v_bar, kv_start, kv_end, out, lse,
         *q.stride(), *out.stride(),
