@@ -1,32 +1,26 @@
-"""``qattn``: the one documented entry point. Checks its arguments once, then picks a path.
+"""``qattn``: the one documented entry point. Checks its arguments once, picks a path, runs it.
 
 Layouts: ``"HND"`` is (batch, heads, tokens, head_dim), ``"NHD"`` is (batch, tokens, heads,
 head_dim); the output has q's layout, shape and dtype. Q has ``Hq`` heads, K and V ``Hk``, with
-``Hq % Hk == 0`` (GQA/MQA). Paths:
-
-- ``triton``: the GPU kernels (CUDA tensors on compute capability ≥ 8.0, Triton installed, head
-  dim ≤ 256); under ``TRITON_INTERPRET=1`` also CPU tensors (how the tests run them);
-- ``reference``: the PyTorch simulation of the same math (CPU tensors, or asked for);
-- ``sdpa``: full-precision ``scaled_dot_product_attention`` for a CUDA case the kernels do not
-  serve — counted and warned once per reason (:func:`hf_qattn.fallback_stats`).
+``Hq % Hk == 0`` (GQA/MQA). The path (``triton``, ``reference``, or the ``sdpa`` fallback, counted
+and warned once per reason by :func:`hf_qattn.fallback_stats`) is chosen by
+:func:`hf_qattn.support.select_path`, the only policy point.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
 from typing import Literal
 
 import torch
 
-from . import reference, stats
+from . import reference, stats, support
+from .support import BACKENDS, DTYPES, MAX_KERNEL_HEAD_DIM  # noqa: F401  (re-exported)
 
 QK_CHOICES = ("int8", "int4")
 PV_CHOICES = ("fp8", "fp16")
 LAYOUTS = ("HND", "NHD")
-BACKENDS = ("auto", "triton", "reference")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_KERNEL_HEAD_DIM = 256
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -78,36 +72,6 @@ def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     return hnd
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        from hf_qattn.kernels import launch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _kernel_gap(q: torch.Tensor) -> str | None:
-    """Why the kernels cannot serve a CUDA call, or None when they can."""
-    if not _triton_available():
-        return "Triton is not installed"
-    if _capability(q.device) < (8, 0):
-        return "GPU compute capability below 8.0"
-    if q.shape[-1] > MAX_KERNEL_HEAD_DIM:
-        return f"head_dim {q.shape[-1]} > {MAX_KERNEL_HEAD_DIM}"
-    return None
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    from hf_qattn.kernels.tuning import capability
-
-    return capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _has_fp8_mma(device: torch.device) -> bool:
-    return device.type != "cuda" or _capability(device) >= (8, 9)
-
-
 def qattn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,34 +117,29 @@ def qattn(
         lse = torch.full((b, hq, nq), -math.inf, device=q.device)
         return (out, lse) if return_lse else out
 
-    path = backend
-    if path == "auto":
-        path = "reference" if q.device.type == "cpu" else "triton"
-    if path == "triton" and q.device.type == "cuda":
-        gap = _kernel_gap(q)
-        if gap is not None:
-            if backend == "triton":
-                raise RuntimeError(f"backend='triton' cannot serve this call: {gap}")
-            stats.record_fallback(gap)
-            path = "sdpa"
-        elif pv == "fp8" and not _has_fp8_mma(q.device):
-            pv = "fp16"
-    elif path == "triton" and not _triton_available():
-        raise RuntimeError("backend='triton' needs Triton installed")
-    if path != "sdpa":
+    path, reason = support.select_path(q, backend)
+    if reason is not None:
+        stats.record_fallback(reason, path)
+    else:
         stats.record_call(path)
+    if path == support.TRITON and pv == "fp8" and not support.has_fp8_mma(q.device):
+        pv = "fp16"  # no FP8 tensor cores (Ampere): P·V runs in FP16, as documented for ``pv``
 
-    if path == "triton":
+    if path == support.TRITON:
         from hf_qattn.kernels import launch
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = launch.quantized_attention(
-            qh, kh, vh, out if layout == "HND" else out.transpose(1, 2), is_causal=is_causal, sm_scale=sm_scale,
-            qk=qk, v_fp8=pv == "fp8", smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
-            kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
+        # Launch on the inputs' GPU, not the current one: Triton takes the device and stream from the
+        # current device, so a tensor on cuda:1 under cuda:0 (device_map="auto") would run on the wrong
+        # stream, racing the producer of q/k/v (measured: all-NaN logits on 2 GPUs).
+        with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+            lse = launch.quantized_attention(
+                qh, kh, vh, out if layout == "HND" else out.transpose(1, 2), is_causal=is_causal,
+                sm_scale=sm_scale, qk=qk, v_fp8=pv == "fp8", smooth_q=smooth_q, smooth_k=smooth_k,
+                smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
         return (out, lse) if return_lse else out
 
-    if path == "sdpa":
+    if path == support.SDPA:
         result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,
                                           kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
     else:

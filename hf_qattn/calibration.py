@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import PLAN_CONFIG_KEY, QAttnPlan
+from .plan import PLAN_CONFIG_KEY, QAttnPlan, check_ratio
 from .scoring import Score, attention_accuracy
 
 CALIBRATION_QK = "int4"
@@ -176,8 +176,7 @@ def calibrate(
     the mean and worst score over inputs. ``model.config.qattn_plan`` holds ``plan.to_dict()``.
     The model comes back in its previous attention implementation and train/eval mode.
     """
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be a number in [0, 1] (the share of layers marked int8); got {ratio!r}")
+    check_ratio(ratio, "layers")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
     config = getattr(model, "config", None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from .plan import check_ratio
+
 
 class CLIError(Exception):
     """A problem the user can fix: printed as ``hf-qattn: error: ...`` with exit status 1."""
@@ -16,12 +18,9 @@ class CLIError(Exception):
 def ratio(text: str) -> float:
     """Share of entries (layers, or (step, layer) pairs) marked int8: a number in [0, 1]."""
     try:
-        value = float(text)
+        return check_ratio(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1]; got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] (the share marked int8); got {text}")
-    return value
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] (the share marked int8); got {text!r}") from None
 
 
 def positive_int(text: str) -> int:

@@ -1,13 +1,16 @@
 """QAttnPlan: which precision each attention layer (and, for diffusion, each denoising step) runs in.
 
-Precisions: ``"int4"`` (INT4-range Q·Kᵀ, FP8 P·V), ``"int8"`` (INT8 Q·Kᵀ, FP8 P·V) and ``"fp16"``
-(leave this one unquantized: full-precision SDPA). Lookup order for (step, layer): an explicit
-(step, layer) entry, then the layer's entry, then ``default``.
+Precisions: ``"int4"`` (INT4-range Q·Kᵀ, FP8 P·V), ``"int8"`` (INT8 Q·Kᵀ, FP8 P·V) and
+``"unquantized"`` (leave this one in full precision: the model's own attention). The spelling
+``"fp16"`` of older plans is read as ``"unquantized"`` (``"fp16"`` now only names the P·V format of
+:func:`hf_qattn.qattn`). Lookup order for (step, layer): an explicit (step, layer) entry, then the
+layer's entry, then ``default`` (:data:`DEFAULT_PRECISION`, ``"int8"``, when a plan names none — the
+same precision every layer runs when there is no plan at all).
 
 Stored as a JSON-friendly dict under the config key ``qattn_plan`` (``PLAN_CONFIG_KEY``), so
 ``save_pretrained`` writes it into config.json and ``from_pretrained`` reads it back::
 
-    {"version": 1, "default": "int4",
+    {"version": 1, "default": "int4",          # unlisted layers (DEFAULT_PRECISION when absent)
      "layers": {"3": "int8"},                    # layer index → precision
      "steps": {"0": {"5": "int8"}},              # step → layer index → precision (diffusion)
      "num_layers": 12, "num_steps": 50,          # the model / run the plan was made for
@@ -25,14 +28,25 @@ from typing import Hashable, Mapping
 
 PLAN_VERSION = 1
 PLAN_CONFIG_KEY = "qattn_plan"
-PRECISIONS = ("int4", "int8", "fp16")
+UNQUANTIZED = "unquantized"
+PRECISIONS = ("int4", "int8", UNQUANTIZED)
+DEFAULT_PRECISION = "int8"  # without a plan, or for layers a plan leaves out: as accurate as the method gets
+LEGACY_SPELLINGS = {"fp16": UNQUANTIZED}  # accepted when read, never written
 
 
 class PlanError(ValueError):
     """A malformed plan: says which entry and what is accepted."""
 
 
+def check_ratio(ratio, what: str = "entries") -> float:
+    """The share of ``what`` (layers, or (step, layer) pairs) marked int8: a number in [0, 1], else ValueError."""
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be a number in [0, 1] (the share of {what} marked int8); got {ratio!r}")
+    return float(ratio)
+
+
 def _precision(value, where: str) -> str:
+    value = LEGACY_SPELLINGS.get(value, value) if isinstance(value, str) else value
     if value not in PRECISIONS:
         raise PlanError(f"{where}: precision must be one of {PRECISIONS}; got {value!r}")
     return value
@@ -51,7 +65,7 @@ def _index(key, where: str, limit: int | None) -> int:
 
 @dataclass
 class QAttnPlan:
-    default: str = "int4"
+    default: str = DEFAULT_PRECISION
     layers: dict[int, str] = field(default_factory=dict)
     steps: dict[int, dict[int, str]] = field(default_factory=dict)
     num_layers: int | None = None
@@ -77,15 +91,15 @@ class QAttnPlan:
     def validate(self, num_layers: int | None = None) -> "QAttnPlan":
         """Raise PlanError on anything malformed; ``num_layers`` bounds layer indices if given."""
         limit = num_layers if num_layers is not None else self.num_layers
-        _precision(self.default, "qattn_plan.default")
+        self.default = _precision(self.default, "qattn_plan.default")
         for layer, prec in self.layers.items():
             _index(layer, "qattn_plan.layers", limit)
-            _precision(prec, f"qattn_plan.layers[{layer}]")
+            self.layers[layer] = _precision(prec, f"qattn_plan.layers[{layer}]")
         for step, entries in self.steps.items():
             _index(step, "qattn_plan.steps", self.num_steps)
             for layer, prec in entries.items():
                 _index(layer, f"qattn_plan.steps[{step}]", limit)
-                _precision(prec, f"qattn_plan.steps[{step}][{layer}]")
+                entries[layer] = _precision(prec, f"qattn_plan.steps[{step}][{layer}]")
         return self
 
     def to_dict(self) -> dict:
@@ -123,7 +137,7 @@ class QAttnPlan:
             if not isinstance(entries, Mapping):
                 raise PlanError(f"qattn_plan.steps[{step}] must be a dict of layer → precision")
         plan = cls(
-            default=data.get("default", "int4"),
+            default=data.get("default", DEFAULT_PRECISION),
             layers={_index(k, "qattn_plan.layers", None): v for k, v in data.get("layers", {}).items()},
             steps={_index(s, "qattn_plan.steps", None): {_index(k, f"qattn_plan.steps[{s}]", None): v
                                                          for k, v in e.items()} for s, e in steps.items()},
@@ -148,8 +162,7 @@ class QAttnPlan:
         Keys are layer indices, or (step, layer) pairs for diffusion. ``round(ratio · n)``
         entries are marked (ties broken by key order, so the result is deterministic).
         """
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must lie in [0, 1]; got {ratio}")
+        check_ratio(ratio)
         ranked = sorted(scores, key=lambda key: (scores[key], str(key)))
         marked = set(ranked[: round(ratio * len(ranked))])
         layers: dict[int, str] = {}

@@ -1,9 +1,11 @@
 """Counts of where attention calls went, and warn-once reporting of fallbacks.
 
 Every call of :func:`hf_qattn.qattn` (and of the integrations) is counted under the path that
-served it: ``triton`` (the GPU kernels), ``reference`` (the PyTorch simulation, used for CPU
-tensors) or ``sdpa`` (full-precision fallback). A fallback is also counted under its reason and
-warned about once per reason, so nothing degrades silently.
+served it, named as in :mod:`hf_qattn.support`: ``triton`` (the GPU kernels), ``reference`` (the
+PyTorch simulation, used for CPU tensors), ``unquantized-by-plan`` (the plan asked for full
+precision), or a fallback: ``sdpa`` (full-precision SDPA) or ``eager`` (the model's own attention).
+A fallback is also counted under its reason and warned about once per reason, so nothing degrades
+silently.
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ def record_call(path: str) -> None:
         _calls[path] += 1
 
 
-def record_fallback(reason: str) -> None:
-    """Count a call served by full-precision SDPA because of ``reason``; warn the first time."""
+_FALLBACK_NAMES = {"sdpa": "SDPA", "eager": "eager attention"}
+
+
+def record_fallback(reason: str, path: str = "sdpa") -> None:
+    """Count a call served in full precision by ``path`` (``"sdpa"`` or ``"eager"``) because of
+    ``reason``; warn the first time."""
     with _lock:
-        _calls["sdpa"] += 1
+        _calls[path] += 1
         _fallbacks[reason] += 1
         first = reason not in _warned
         _warned.add(reason)
     if first:
         warnings.warn(
-            f"hf_qattn: falling back to full-precision SDPA: {reason} "
+            f"hf_qattn: falling back to full-precision {_FALLBACK_NAMES.get(path, path)}: {reason} "
             "(warned once; see hf_qattn.fallback_stats() for counts)",
             RuntimeWarning,
             stacklevel=3,

@@ -30,7 +30,7 @@ def test_calibrate_writes_plan_from_lowest_scores(tiny_model):
         assert score.mean == pytest.approx(score.cos_sim * (1 - score.rel_l1), abs=0.02)
     lowest = sorted(scores, key=lambda layer: scores[layer].mean)[:2]
     assert {layer for layer in scores if plan.precision(layer) == "int8"} == set(lowest)
-    assert plan.count() == {"int4": 2, "int8": 2, "fp16": 0}
+    assert plan.count() == {"int4": 2, "int8": 2, "unquantized": 0}
     assert getattr(model.config, PLAN_CONFIG_KEY) == plan.to_dict()
     assert plan.num_layers == 4 and plan.meta["ratio"] == 0.5
     assert set(plan.meta["scores"]) == {"0", "1", "2", "3"}
@@ -93,7 +93,7 @@ def test_encoder_and_vision_models_calibrate(tiny_model):
     assert sorted(scores) == [0, 1] and plan.count()["int8"] == 1
     vit = tiny_model("vit")
     plan, scores = calibrate(vit, [{"pixel_values": torch.randn(2, 3, 32, 32)}], ratio=0.0, progress=False)
-    assert sorted(scores) == [0, 1] and plan.count() == {"int4": 2, "int8": 0, "fp16": 0}
+    assert sorted(scores) == [0, 1] and plan.count() == {"int4": 2, "int8": 0, "unquantized": 0}
 
 
 def test_string_inputs_with_tokenizer(tiny_model):

@@ -107,7 +107,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert rows["all-int8"][1] >= 0.999  # worst sentence
     assert rows["all-int4"][0] <= rows["mix (2 int8)"][0] + 1e-4 <= rows["all-int8"][0] + 2e-4
     plan = QAttnPlan.from_dict(json.loads((out / "config.json").read_text())[PLAN_CONFIG_KEY], num_layers=6)
-    assert plan.count() == {"int4": 4, "int8": 2, "fp16": 0}
+    assert plan.count() == {"int4": 4, "int8": 2, "unquantized": 0}
     assert re.search(r"^5\s+0\.\d+\s+0\.\d+\s+20\s+int[48]$", printed, re.M)  # per-layer table
 
 

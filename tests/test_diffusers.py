@@ -269,7 +269,7 @@ def test_plan_entry_applies_at_exactly_its_step_and_layer(seed, monkeypatch, sta
     assert [key for key, qk in seen.items() if qk == "int8"] == [(target_step, target_layer)]
     assert len(recorder.records) == 2 * STEPS * (layers - 1)
     assert all(qk == seen[(s, l)] for s, l, qk, *_ in recorder.records)  # cond and uncond agree
-    assert stats()["calls"]["sdpa"] == 2 * STEPS and stats()["fallbacks"] == {}  # the fp16 layer
+    assert stats()["calls"]["unquantized-by-plan"] == 2 * STEPS and stats()["fallbacks"] == {}  # the unquantized layer
 
     # twice the steps: plan step t covers run steps 2t and 2t+1 (relative position)
     recorder.reset()
@@ -489,7 +489,7 @@ def _sdpa_call(b=1, hq=2, hk=2, nq=8, nk=8, d=16, dtype=torch.float32, grad=Fals
 
 
 @pytest.mark.parametrize("named,reason", [
-    (lambda: _sdpa_call(d=288), "head_dim 288 > 256"),
+    (lambda: _sdpa_call(d=288), "head_dim > 256"),
     (lambda: _sdpa_call(dropout_p=0.1), "dropout"),
     (lambda: _sdpa_call(grad=True), "autograd"),
     (lambda: _sdpa_call(nq=4, is_causal=True), "is_causal with Nq != Nk"),

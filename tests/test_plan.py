@@ -49,7 +49,7 @@ def test_plan_round_trips_and_is_applied(tiny_model, tmp_path, ran_precisions, f
     run(loaded)
     assert ran_precisions == ["int4", "int8"]  # layer 1 is fp16: full-precision SDPA, not the kernel
     stats = fresh_stats()
-    assert stats["calls"] == {"reference": 2, "fp16": 1}
+    assert stats["calls"] == {"reference": 2, "unquantized-by-plan": 1}
     assert stats["fallbacks"] == {}  # fp16 is a plan choice, not a fallback
 
 
@@ -63,7 +63,7 @@ def test_fp16_layer_matches_sdpa(tiny_model, fresh_stats):
     with torch.no_grad():
         out = model(input_ids=ids).last_hidden_state
     torch.testing.assert_close(out, ref)
-    assert fresh_stats()["calls"] == {"fp16": 2}
+    assert fresh_stats()["calls"] == {"unquantized-by-plan": 2}
 
 
 def test_no_plan_runs_int8(tiny_model, ran_precisions):

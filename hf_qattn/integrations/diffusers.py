@@ -24,7 +24,7 @@ What falls back (full-precision SDPA, counted and warned once per reason by
 :func:`hf_qattn.fallback_stats`): masks other than key-padding masks (those become the kernel's
 ``kv_start`` / ``kv_end``), head dims > 256, dropout or autograd, causal with Nq ≠ Nk,
 context-parallel processors, and processors that compute attention without SDPA. A plan entry
-``"fp16"`` also runs SDPA, counted as an ``sdpa`` call without a warning.
+``"unquantized"`` also runs SDPA, counted as an ``unquantized-by-plan`` call without a warning.
 
 Limits: eager mode (torch.compile of the denoiser is untested with the hooks); attention computed
 outside an attention module (no ``processor``) is not routed; the step tracking is described in
@@ -43,13 +43,12 @@ from collections.abc import Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import stats
-from ..plan import PLAN_CONFIG_KEY, PRECISIONS, PlanError, QAttnPlan
+from .. import stats, support
+from ..plan import DEFAULT_PRECISION, LEGACY_SPELLINGS, PLAN_CONFIG_KEY, PRECISIONS, UNQUANTIZED, PlanError, QAttnPlan
 from .diffusers_sdpa import SDPA, MaskCache, kernel_gap, run_qattn, sdpa_arguments
 from .diffusers_steps import DenoisingStepTracker, SchedulerHooks
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "unet_2")
-DEFAULT_PRECISION = "int8"  # with no plan anywhere: the accurate kernel everywhere
 PLAN_FILE_NAME = "config.json"
 
 __all__ = ["patch", "unpatch", "QAttnPatch", "attention_layers", "stored_plan", "store_plan", "load_plan",
@@ -171,7 +170,7 @@ def _resolve_plan(plan, model: torch.nn.Module, num_layers: int) -> QAttnPlan:
         resolved = stored_plan(model) or QAttnPlan(default=DEFAULT_PRECISION)
     elif isinstance(plan, QAttnPlan):
         resolved = plan
-    elif isinstance(plan, str) and plan in PRECISIONS:
+    elif isinstance(plan, str) and (plan in PRECISIONS or plan in LEGACY_SPELLINGS):
         resolved = QAttnPlan(default=plan)
     elif isinstance(plan, Mapping):
         resolved = QAttnPlan.from_dict(plan)
@@ -316,8 +315,8 @@ class _PatchedDenoiser:
             stats.record_fallback(gap)
             return sdpa(*args, **kwargs)
         precision = self.plan.precision(layer, tracker.step, tracker.total_steps)
-        if precision == "fp16":
-            stats.record_call("sdpa")
+        if precision == UNQUANTIZED:
+            stats.record_call(support.UNQUANTIZED_BY_PLAN)
             return sdpa(*args, **kwargs)
         return run_qattn(named, precision, keys)
 
@@ -485,7 +484,7 @@ def patch(pipe_or_transformer, plan=None, *, scheduler=None) -> QAttnPatch:
             ``unet`` components are patched) or a denoiser model.
         plan: which precision each (step, layer) runs: a :class:`~hf_qattn.QAttnPlan`, a plan dict,
             a path to a plan JSON (or a config.json / model folder holding one), or one of
-            ``"int8"``, ``"int4"``, ``"fp16"`` for all layers. ``None``: the plan stored in each
+            ``"int8"``, ``"int4"``, ``"unquantized"`` for all layers. ``None``: the plan stored in each
             denoiser's config (see :func:`hf_qattn.calibrate_pipeline`), else ``"int8"``.
         scheduler: the scheduler whose ``set_timesteps`` / ``step`` mark the denoising steps;
             defaults to ``pipe.scheduler``. Without one, steps follow the ``timestep`` argument.

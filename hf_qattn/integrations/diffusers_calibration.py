@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..plan import QAttnPlan
+from ..plan import QAttnPlan, check_ratio
 from ..scoring import Score, attention_accuracy
 from .diffusers import _start_patch, store_plan
 
@@ -149,9 +149,7 @@ def calibrate_pipeline(
 
     Returns a :class:`PipelineCalibration`; see :func:`plot_scores` for the step × layer heatmap.
     """
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be a number in [0, 1] (the share of (step, layer) entries marked int8); "
-                         f"got {ratio!r}")
+    check_ratio(ratio, "(step, layer) entries")
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be a positive integer; got {num_inference_steps!r}")
     if not callable(pipe) or not isinstance(getattr(pipe, "components", None), Mapping):

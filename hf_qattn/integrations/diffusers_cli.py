@@ -83,10 +83,6 @@ def _dtype_argument() -> str:
 def run_calibrate_pipeline(args: argparse.Namespace) -> int:
     """Run ``calibrate-pipeline`` with parsed ``args``; returns the exit status (0 on success).
     Problems with the arguments raise ``hf_qattn.cli.CLIError`` (printed by ``hf-qattn``)."""
-    if not isinstance(args.steps, int) or args.steps < 1:
-        raise CLIError(f"--steps must be a positive integer; got {args.steps}")
-    if not 0.0 <= args.ratio <= 1.0:
-        raise CLIError(f"--ratio must lie in [0, 1]; got {args.ratio}")
     if not os.path.isdir(args.pipeline_dir):
         raise CLIError(f"PIPELINE_DIR: no such folder: {args.pipeline_dir}")
     prompts = read_prompts(args.prompts)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import MAX_KERNEL_HEAD_DIM, qattn
+from ..api import qattn
+from ..support import call_gap
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # An additive mask entry at or below this hides its key: exp(-5000 + score range) underflows to 0
 # in float32 for any realistic score range, so -1e4 (the old diffusers convention, -9984 in bf16),
@@ -121,23 +121,14 @@ def kernel_gap(named: dict, mask_cache: MaskCache | None = None) -> tuple[str | 
         return "query/key/value are not 4-D (batch, heads, tokens, head_dim)", KeyRange()
     if any(t.is_nested for t in (q, k, v)):
         return "nested tensors", KeyRange()
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype}/{k.dtype}/{v.dtype} (the kernel takes one of fp16, bf16, fp32)", KeyRange()
     if not (q.device == k.device == v.device):
         return "query/key/value on different devices", KeyRange()
-    if named["dropout_p"]:
-        return "dropout_p > 0 (training)", KeyRange()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return "autograd through attention (training): the kernel has no backward", KeyRange()
-    (b, hq, nq, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = q.shape, k.shape, v.shape
-    if d > MAX_KERNEL_HEAD_DIM:
-        return f"head_dim {d} > {MAX_KERNEL_HEAD_DIM}", KeyRange()
-    if not (d == dk == dv):
-        return f"query/key/value head dims differ ({d}, {dk}, {dv})", KeyRange()
-    if not (b == bk == bv) or (hk, nk) != (hv, nv):
-        return "query/key/value batch, heads or lengths need broadcasting", KeyRange()
-    if hk == 0 or hq % hk or (hq != hk and not named["enable_gqa"]):
-        return f"{hq} query heads against {hk} key/value heads", KeyRange()
+    gap = call_gap(q, k, v, dropout=named["dropout_p"])
+    if gap is not None:
+        return gap, KeyRange()
+    (b, hq, nq, _), hk, nk = q.shape, k.shape[1], k.shape[2]
+    if hq != hk and not named["enable_gqa"]:
+        return f"{hq} query heads against {hk} key/value heads without enable_gqa", KeyRange()
     mask, causal = named["attn_mask"], named["is_causal"]
     if causal and mask is not None:
         return "both attn_mask and is_causal", KeyRange()

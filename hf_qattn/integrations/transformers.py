@@ -21,9 +21,9 @@ Per call, :func:`qattn_attention_forward`
 
 1. reads the layer's precision from the plan in ``module.config.qattn_plan`` by the layer index
    (``module.layer_idx``; models without one get indices in module order at construction). With
-   no plan every layer runs ``"int8"`` (:data:`DEFAULT_PRECISION`): the safe choice, as accurate as
-   the method gets. A plan precision ``"fp16"`` runs transformers' SDPA path, counted as call
-   path ``"fp16"`` (a choice, not a fallback).
+   no plan every layer runs ``"int8"`` (:data:`hf_qattn.plan.DEFAULT_PRECISION`): the safe choice, as
+   accurate as the method gets. A plan precision ``"unquantized"`` runs the model's full-precision
+   attention, counted as call path ``"unquantized-by-plan"`` (a choice, not a fallback).
 2. turns the mask into what the kernel understands — causal (aligned bottom-right) and a
    per-sequence key range [kv_start, kv_end) — by analysing each mask tensor once (the result is
    cached on the tensor for the other layers) and checking that the reconstruction equals the mask
@@ -33,8 +33,8 @@ Per call, :func:`qattn_attention_forward`
 Anything the kernel cannot serve runs in full precision instead, counted under its reason and
 warned once (:func:`hf_qattn.fallback_stats`); the reasons are the ``REASON_*`` constants below.
 Soft-capping, attention sinks, sparse indices and ``output_attentions`` run the model's own eager
-attention (SDPA cannot express them); every other fallback runs transformers' SDPA path with the
-model's own mask.
+attention (SDPA cannot express them), counted as path ``"eager"``; every other fallback runs
+transformers' SDPA path with the model's own mask, counted as ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -51,24 +51,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import api, stats
+from .. import api, stats, support
 from ..masks import visible_keys
-from ..plan import PLAN_CONFIG_KEY, PlanError, QAttnPlan
+from ..plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
+from ..support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
+                       REASON_HEAD_DIM, REASON_HEADS, REASON_VALUE_DIM)
 
 ATTN_IMPLEMENTATION = "qattn"
-DEFAULT_PRECISION = "int8"
 
 REASON_SOFTCAP = "attention logit soft-capping (softcap)"
 REASON_SINKS = "attention sinks (s_aux / sinks)"
 REASON_SPARSE = "sparse attention indices"
 REASON_OUTPUT_ATTENTIONS = "output_attentions=True (attention weights requested)"
-REASON_DROPOUT = "attention dropout in training"
-REASON_GRAD = "gradients required (the quantized kernels are inference-only)"
-REASON_HEAD_DIM = f"head_dim > {api.MAX_KERNEL_HEAD_DIM}"
-REASON_VALUE_DIM = "value head_dim differs from query/key head_dim"
-REASON_DTYPE = "dtype other than float16/bfloat16/float32"
-REASON_HEADS = "query heads not a multiple of key/value heads"
-REASON_BATCH = "query and key/value batch sizes differ"
 REASON_POSITION_BIAS = "additive position bias (position_bias)"
 REASON_PAGED_CACHE = "paged KV cache (continuous batching)"
 REASON_FLOAT_MASK = "float (additive) attention mask"
@@ -260,21 +254,7 @@ def _unsupported(query, key, value, dropout, kwargs) -> str | None:
         return REASON_POSITION_BIAS
     if kwargs.get("cache") is not None:
         return REASON_PAGED_CACHE
-    if dropout and dropout > 0.0:
-        return REASON_DROPOUT
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return REASON_GRAD
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in api.DTYPES:
-        return REASON_DTYPE
-    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1]:
-        return REASON_VALUE_DIM
-    if query.shape[-1] > api.MAX_KERNEL_HEAD_DIM:
-        return REASON_HEAD_DIM
-    if query.shape[0] != key.shape[0]:
-        return REASON_BATCH
-    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
-        return REASON_HEADS
-    return None
+    return support.call_gap(query, key, value, dropout=dropout)
 
 
 def kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
@@ -330,10 +310,17 @@ def _model_eager(module):
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
+def full_precision_path(kwargs) -> str:
+    """Which full-precision path a call takes: ``"eager"`` where SDPA cannot express it, else ``"sdpa"``."""
+    if kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _EAGER_ONLY):
+        return support.EAGER
+    return support.SDPA
+
+
 def full_precision_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                              is_causal=None, **kwargs):
     """What the model computes without qattn: eager where SDPA cannot express it, else SDPA."""
-    if kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _EAGER_ONLY):
+    if full_precision_path(kwargs) == support.EAGER:
         eager = _model_eager(module) or _plain_eager
         mask = _additive_mask(attention_mask, query, key, is_causal, module)
         return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -381,13 +368,13 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         return out
 
     precision = layer_precision(module)
-    if precision == "fp16":
-        stats.record_call("fp16")
+    if precision == UNQUANTIZED:
+        stats.record_call(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
     pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
     if reason is not None:
-        stats.record_fallback(reason)
+        stats.record_fallback(reason, full_precision_path(kwargs))
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
     if pattern.kv_len != key.shape[2]:

@@ -1,0 +1,137 @@
+"""What each attention path serves, and why not: the one place every caller asks.
+
+Path names are the vocabulary of ``fallback_stats()["calls"]``, the same in :func:`hf_qattn.qattn`
+and in both integrations:
+
+- ``"triton"``: the Triton GPU kernels (CUDA tensors on compute capability ≥ 8.0, head dim ≤ 256;
+  under ``TRITON_INTERPRET=1`` also CPU tensors, which is how the tests run them);
+- ``"reference"``: the PyTorch simulation of the kernels' math (CPU tensors, or asked for);
+- ``"sdpa"``: full-precision ``scaled_dot_product_attention``, a fallback for a call no kernel serves;
+- ``"eager"``: the model's own eager attention, a fallback for what SDPA cannot express either
+  (soft-capping, attention sinks, returned attention weights; transformers only);
+- ``"unquantized-by-plan"``: full-precision attention because the plan says ``"unquantized"`` for
+  that layer (a choice, not a fallback: no reason is counted and nothing is warned).
+
+:data:`KERNEL_PATHS` says, per quantized path, on which device type ``backend="auto"`` tries it and
+why it cannot serve a call; :func:`select_path` walks it. A new kernel path (a Hopper kernel in
+Gluon, say) is one more entry there, placed before the paths it should be preferred to.
+:func:`call_gap` holds what no kernel path serves whatever the device (dropout, gradients, dtypes,
+shapes); the integrations ask it before anything else.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# -- the path vocabulary -------------------------------------------------------------------------
+TRITON = "triton"
+REFERENCE = "reference"
+SDPA = "sdpa"
+EAGER = "eager"
+UNQUANTIZED_BY_PLAN = "unquantized-by-plan"
+FALLBACK_PATHS = (SDPA, EAGER)
+
+MAX_KERNEL_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# -- why a call cannot run quantized, whatever the device ------------------------------------------
+REASON_DROPOUT = "attention dropout in training"
+REASON_GRAD = "autograd through attention: gradients required (the quantized kernels are inference-only)"
+REASON_DTYPE = "dtype other than float16/bfloat16/float32, or query/key/value dtypes differ"
+REASON_VALUE_DIM = "query/key/value head dims differ"
+REASON_HEAD_DIM = f"head_dim > {MAX_KERNEL_HEAD_DIM}"
+REASON_BATCH = "query/key/value batch sizes, or key/value heads and lengths, differ"
+REASON_HEADS = "query heads not a multiple of key/value heads"
+
+
+def call_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout: float = 0.0) -> str | None:
+    """Why no quantized path can serve attention on these (B, H, N, D) tensors, or None when one can."""
+    if dropout and dropout > 0.0:
+        return REASON_DROPOUT
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return REASON_GRAD
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in DTYPES:
+        return REASON_DTYPE
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        return REASON_VALUE_DIM
+    if query.shape[-1] > MAX_KERNEL_HEAD_DIM:
+        return REASON_HEAD_DIM
+    if not (query.shape[0] == key.shape[0] == value.shape[0]) or key.shape[1:3] != value.shape[1:3]:
+        return REASON_BATCH
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        return REASON_HEADS
+    return None
+
+
+# -- the kernel paths --------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        from hf_qattn.kernels import launch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    from hf_qattn.kernels.tuning import capability as device_capability
+
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def has_fp8_mma(device: torch.device) -> bool:
+    """Whether P·V can run in FP8 there: sm89 and newer (Ampere runs it in FP16)."""
+    return device.type != "cuda" or capability(device) >= (8, 9)
+
+
+def _triton_gap(q: torch.Tensor) -> str | None:
+    if not triton_available():
+        return "Triton is not installed"
+    if q.device.type != "cuda":
+        return None  # CPU tensors: the Triton interpreter (TRITON_INTERPRET=1)
+    if capability(q.device) < (8, 0):
+        return "GPU compute capability below 8.0"
+    if q.shape[-1] > MAX_KERNEL_HEAD_DIM:
+        return REASON_HEAD_DIM
+    return None
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """A quantized path: where ``backend="auto"`` tries it, and why it cannot serve a call (None: it can)."""
+
+    auto_on: tuple[str, ...]
+    gap: Callable[[torch.Tensor], str | None]
+
+
+# In order of preference for backend="auto". A new path is one entry here.
+KERNEL_PATHS: dict[str, KernelPath] = {
+    TRITON: KernelPath(auto_on=("cuda",), gap=_triton_gap),
+    REFERENCE: KernelPath(auto_on=("cpu",), gap=lambda q: None),
+}
+BACKENDS = ("auto", *KERNEL_PATHS)
+
+
+def select_path(q: torch.Tensor, backend: str = "auto") -> tuple[str, str | None]:
+    """(path, None) for the quantized path that serves a call on ``q``, or (``"sdpa"``, reason).
+
+    ``backend="auto"`` takes the first path of :data:`KERNEL_PATHS` made for q's device type that can
+    serve the call, else falls back to SDPA with the reason the last one gave. A forced backend that
+    cannot serve the call raises ``RuntimeError``.
+    """
+    if backend != "auto":
+        gap = KERNEL_PATHS[backend].gap(q)
+        if gap is not None:
+            raise RuntimeError(f"backend={backend!r} cannot serve this call: {gap}")
+        return backend, None
+    reason = f"no quantized path for {q.device.type} tensors"
+    for name, path in KERNEL_PATHS.items():
+        if q.device.type in path.auto_on:
+            reason = path.gap(q)
+            if reason is None:
+                return name, None
+    return SDPA, reason
