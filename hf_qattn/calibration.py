@@ -21,10 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .plan import PLAN_CONFIG_KEY, QAttnPlan, check_ratio
-from .scoring import Score, attention_accuracy
-
-CALIBRATION_QK = "int4"
-METRIC = "cos_sim*(1-rel_l1)"
+from .scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
 
 
 @dataclass
@@ -53,7 +50,7 @@ class _ScoreCollector:
     """Receives each attention call during calibration and keeps per-layer running sums only."""
 
     def __init__(self):
-        self.sums: dict[int, list[float]] = {}  # layer -> [n, Σscore, min score, Σcos, Σrel_l1]
+        self.sums: dict[int, ScoreSums] = {}
         self.skipped: Counter = Counter()
 
     def skip(self, module, reason: str) -> None:
@@ -86,16 +83,10 @@ class _ScoreCollector:
             if not math.isfinite(result.score):
                 self.skipped["non-finite score"] += 1
                 continue
-            sums = self.sums.setdefault(layer, [0, 0.0, math.inf, 0.0, 0.0])
-            sums[0] += 1
-            sums[1] += result.score
-            sums[2] = min(sums[2], result.score)
-            sums[3] += result.cos_sim
-            sums[4] += result.rel_l1
+            self.sums.setdefault(layer, ScoreSums()).add(result.score, result.cos_sim, result.rel_l1)
 
     def scores(self) -> dict[int, Score]:
-        return {layer: Score(mean=s[1] / s[0], worst=s[2], count=int(s[0]), cos_sim=s[3] / s[0], rel_l1=s[4] / s[0])
-                for layer, s in sorted(self.sums.items())}
+        return {layer: sums.score() for layer, sums in sorted(self.sums.items())}
 
 
 def _batches(inputs, tokenizer, batch_size: int, max_length: int | None) -> list:
@@ -211,13 +202,8 @@ def calibrate(
         reasons = ", ".join(f"{reason} ({n})" for reason, n in collector.skipped.items()) or "no attention call seen"
         raise RuntimeError("calibration scored no layer: the model's attention never reached hf_qattn "
                            f"({reasons}); does this model use transformers' attention interface?")
-    meta = {
-        "method": "sageattn-mix",
-        "metric": METRIC,
-        "qk_scored": CALIBRATION_QK,
-        "batches": len(batches),
-        "scores": {str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()},
-    }
+    meta = describe(batches=len(batches),
+                    scores={str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()})
     plan = QAttnPlan.from_scores({layer: s.mean for layer, s in scores.items()}, ratio,
                                  num_layers=integration._num_layers(config), meta=meta)
     setattr(config, PLAN_CONFIG_KEY, plan.to_dict())

@@ -69,37 +69,15 @@ def score_rows(result) -> list[list]:
 
 
 def save_plot(result, path: Path, title: str) -> Path | None:
-    """Bar chart of the mean INT4 score per layer (worst as a tick), int8 layers marked. None without matplotlib."""
-    try:
-        import matplotlib
+    """:func:`hf_qattn.report.plot_layer_scores`, or a note and None without matplotlib."""
+    from .report import plot_layer_scores
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        return plot_layer_scores(result, path, title)
     except ImportError:
         print("note: matplotlib is not installed, so no plot was written "
               "(pip install matplotlib, or pip install 'hf-qattn[plot]')", file=sys.stderr)
         return None
-    layers = sorted(result.scores)
-    means = [result.scores[layer].mean for layer in layers]
-    worst = [result.scores[layer].worst for layer in layers]
-    colors = ["tab:orange" if result.plan.precision(layer) == "int8" else "tab:blue" for layer in layers]
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * len(layers) + 2), 3.6))
-    ax.bar(layers, means, color=colors)
-    ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3, label="worst input")
-    low = min(worst + means)
-    ax.set_ylim(max(0.0, low - 0.3 * (1.0 - low) - 1e-4), 1.0)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("INT4 score  CosSim·(1−RelL1)")
-    ax.set_title(title, fontsize=10)
-    from matplotlib.patches import Patch
-
-    handles = [Patch(color="tab:orange", label="int8 (plan)"), Patch(color="tab:blue", label="int4 (plan)"),
-               ax.get_legend_handles_labels()[0][0]]
-    ax.legend(handles=handles, loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def _quiet_transformers() -> None:

@@ -42,8 +42,3 @@ def accuracy(out: torch.Tensor, ref: torch.Tensor) -> Accuracy:
     rel_l1 = (diff.abs().sum() / ref_l1).item() if ref_l1 > 0 else diff.abs().sum().item()
     rmse = diff.pow(2).mean().sqrt().item()
     return Accuracy(cos, rel_l1, rmse)
-
-
-def score(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The plan score CosSim · (1 − RelL1)."""
-    return accuracy(out, ref).score

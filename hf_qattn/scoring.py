@@ -2,11 +2,13 @@
 
 The score is CosSim · (1 − RelL1) of ``qattn`` at that precision against full-precision
 attention (float32 SDPA on the same inputs, same mask). Calibration keeps only these numbers,
-never the tensors.
+never the tensors: :class:`ScoreSums` accumulates them at one place (a layer, or a (step, layer)
+pair), for both calibrations (transformers and diffusers), which share the constants below.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -14,6 +16,15 @@ import torch
 from .api import qattn
 from .metrics import Accuracy, accuracy
 from .reference import sdpa_attention
+
+CALIBRATION_QK = "int4"  # calibration scores the 4-bit kernel; the lowest scores get int8
+METRIC = "cos_sim*(1-rel_l1)"
+METHOD = "sageattn-mix"
+
+
+def describe(**extra) -> dict:
+    """What a calibration result or plan records about how its scores were made."""
+    return {"method": METHOD, "metric": METRIC, "qk_scored": CALIBRATION_QK, **extra}
 
 
 def attention_accuracy(
@@ -52,3 +63,24 @@ class Score:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class ScoreSums:
+    """Running sums at one place: ``add`` one score (of one input, or the mean of one prompt's calls
+    with its worst call as ``worst``); :meth:`score` gives the :class:`Score` over everything added."""
+
+    __slots__ = ("count", "total", "worst", "cos_sim", "rel_l1")
+
+    def __init__(self):
+        self.count, self.total, self.worst, self.cos_sim, self.rel_l1 = 0, 0.0, math.inf, 0.0, 0.0
+
+    def add(self, score: float, cos_sim: float, rel_l1: float, worst: float | None = None) -> None:
+        self.count += 1
+        self.total += score
+        self.worst = min(self.worst, score if worst is None else worst)
+        self.cos_sim += cos_sim
+        self.rel_l1 += rel_l1
+
+    def score(self) -> Score:
+        n = self.count
+        return Score(mean=self.total / n, worst=self.worst, count=n, cos_sim=self.cos_sim / n, rel_l1=self.rel_l1 / n)

@@ -21,11 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..plan import QAttnPlan, check_ratio
-from ..scoring import Score, attention_accuracy
+from ..scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
 from .diffusers import _start_patch, store_plan
-
-CALIBRATION_QK = "int4"
-METRIC = "cos_sim*(1-rel_l1)"
 
 StepLayer = tuple[int, int]
 
@@ -69,10 +66,9 @@ class _ScoreRecorder:
 
     def __init__(self):
         self.skipped: Counter = Counter()
-        self._prompt: dict[tuple[str, int, int], list] = defaultdict(list)  # this prompt's calls
-        # (denoiser, step, layer) -> per-prompt [score, cos, rel_l1] means, and the worst call
-        self._per_prompt: dict[tuple[str, int, int], list[tuple[float, float, float]]] = defaultdict(list)
-        self._worst: dict[tuple[str, int, int], float] = {}
+        # (denoiser, step, layer) -> this prompt's calls, and the per-prompt means (with the worst call)
+        self._prompt: dict[tuple[str, int, int], ScoreSums] = defaultdict(ScoreSums)
+        self._per_prompt: dict[tuple[str, int, int], ScoreSums] = defaultdict(ScoreSums)
 
     def record(self, denoiser: str, step: int, layer: int, named: dict, keys, gap: str | None) -> None:
         if gap is not None:
@@ -84,21 +80,18 @@ class _ScoreRecorder:
         if not math.isfinite(result.score):
             self.skipped["non-finite score"] += 1
             return
-        key = (denoiser, step, layer)
-        self._prompt[key].append((result.score, result.cos_sim, result.rel_l1))
-        self._worst[key] = min(self._worst.get(key, math.inf), result.score)
+        self._prompt[(denoiser, step, layer)].add(result.score, result.cos_sim, result.rel_l1)
 
     def end_prompt(self) -> None:
         for key, calls in self._prompt.items():
-            self._per_prompt[key].append(tuple(sum(column) / len(calls) for column in zip(*calls)))
+            prompt = calls.score()
+            self._per_prompt[key].add(prompt.mean, prompt.cos_sim, prompt.rel_l1, worst=prompt.worst)
         self._prompt.clear()
 
     def scores(self) -> dict[str, dict[StepLayer, Score]]:
         tables: dict[str, dict[StepLayer, Score]] = defaultdict(dict)
-        for (denoiser, step, layer), rows in sorted(self._per_prompt.items()):
-            mean, cos, rel = (sum(column) / len(rows) for column in zip(*rows))
-            tables[denoiser][(step, layer)] = Score(mean, self._worst[(denoiser, step, layer)], len(rows),
-                                                             cos, rel)
+        for (denoiser, step, layer), sums in sorted(self._per_prompt.items()):
+            tables[denoiser][(step, layer)] = sums.score()
         return dict(tables)
 
 
@@ -147,7 +140,7 @@ def calibrate_pipeline(
         **pipeline_kwargs: passed to every call (height, width, guidance_scale, ...);
             ``output_type`` defaults to ``"latent"`` (no decoding needed to calibrate).
 
-    Returns a :class:`PipelineCalibration`; see :func:`plot_scores` for the step × layer heatmap.
+    Returns a :class:`PipelineCalibration`; see :func:`hf_qattn.report.plot_scores` for the step × layer heatmap.
     """
     check_ratio(ratio, "(step, layer) entries")
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
@@ -181,79 +174,14 @@ def calibrate_pipeline(
     plans = {}
     for name, table in all_scores.items():
         means = {key: score.mean for key, score in table.items()}
-        meta = {
-            "method": "sageattn-mix",
-            "metric": METRIC,
-            "qk_scored": CALIBRATION_QK,
-            "prompts": len(calls),
-            "num_inference_steps": num_inference_steps,
-            # [mean, worst] by step, then layer: what plot_scores draws from a saved plan
-            "scores": {str(s): {str(l): [round(score.mean, 6), round(score.worst, 6)]
-                                for (s2, l), score in sorted(table.items()) if s2 == s}
-                       for s in sorted({s for s, _ in table})},
-        }
+        # scores: [mean, worst] by step, then layer: what plot_scores draws from a saved plan
+        meta = describe(prompts=len(calls), num_inference_steps=num_inference_steps,
+                        scores={str(s): {str(l): [round(score.mean, 6), round(score.worst, 6)]
+                                         for (s2, l), score in sorted(table.items()) if s2 == s}
+                                for s in sorted({s for s, _ in table})})
         plans[name] = QAttnPlan.from_scores(means, ratio, num_layers=num_layers[name], num_steps=num_steps, meta=meta)
         if write_config:
             store_plan(models[name], plans[name])
     return PipelineCalibration(plans=plans, all_scores=all_scores, num_steps=num_steps, skipped=dict(recorder.skipped))
 
 
-def _score_grid(source, denoiser: str | None):
-    """(mean grid, worst grid, int8 mask) as steps × layers lists from a calibration or a plan."""
-    if isinstance(source, PipelineCalibration):
-        name = denoiser or next(iter(source.plans))
-        if name not in source.plans:
-            raise KeyError(f"denoiser must be one of {sorted(source.plans)}; got {denoiser!r}")
-        plan = source.plans[name]
-        table = {key: (score.mean, score.worst) for key, score in source.all_scores[name].items()}
-    elif isinstance(source, QAttnPlan):
-        plan = source
-        saved = source.meta.get("scores")
-        if not isinstance(saved, Mapping):
-            raise ValueError("this plan carries no scores (plan.meta['scores']); pass the calibration result")
-        table = {(int(s), int(l)): tuple(pair) for s, row in saved.items() for l, pair in row.items()}
-    else:
-        raise TypeError(f"source must be a PipelineCalibration or a calibrated QAttnPlan; got {type(source).__name__}")
-    steps = max(plan.num_steps or 0, 1 + max(s for s, _ in table))
-    layers = max(plan.num_layers or 0, 1 + max(l for _, l in table))
-    mean = [[math.nan] * layers for _ in range(steps)]
-    worst = [[math.nan] * layers for _ in range(steps)]
-    int8 = [[plan.precision(l, s) == "int8" for l in range(layers)] for s in range(steps)]
-    for (s, l), (m, w) in table.items():
-        mean[s][l], worst[s][l] = m, w
-    return mean, worst, int8
-
-
-def plot_scores(source, path, *, denoiser: str | None = None, title: str | None = None) -> str:
-    """Write a step × layer heatmap PNG of the INT4 scores (mean and worst), int8 entries marked.
-
-    ``source`` is a :class:`PipelineCalibration` or a plan saved by calibration (its meta keeps
-    the scores). Uses matplotlib's Agg canvas, leaving pyplot's state alone. Returns the path.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError as error:
-        raise ImportError("plot_scores needs matplotlib: pip install 'hf-qattn[plot]'") from error
-    mean, worst, int8 = _score_grid(source, denoiser)
-    steps, layers = len(mean), len(mean[0])
-    figure = Figure(figsize=(min(4 + 0.25 * layers, 24) * 2, min(2.5 + 0.18 * steps, 16)), constrained_layout=True)
-    FigureCanvasAgg(figure)
-    marked = [(l, s) for s in range(steps) for l in range(layers) if int8[s][l]]
-    for axis, grid, name in zip(figure.subplots(1, 2), (mean, worst), ("mean", "worst")):
-        image = axis.imshow(grid, aspect="auto", origin="upper", cmap="viridis", interpolation="nearest")
-        if marked:
-            axis.scatter([l for l, _ in marked], [s for _, s in marked], marker="s", s=12, facecolors="none",
-                         edgecolors="red", linewidths=0.8, label="int8")
-            axis.legend(loc="upper right", fontsize="small")
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.yaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.set_xlabel("attention layer")
-        axis.set_ylabel("denoising step")
-        axis.set_title(f"INT4 score ({METRIC}), {name}")
-        figure.colorbar(image, ax=axis)
-    if title:
-        figure.suptitle(title)
-    figure.savefig(path, dpi=120)
-    return str(path)

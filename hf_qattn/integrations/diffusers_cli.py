@@ -90,7 +90,8 @@ def run_calibrate_pipeline(args: argparse.Namespace) -> int:
     import torch
     from diffusers import DiffusionPipeline
 
-    from .diffusers_calibration import calibrate_pipeline, plot_scores
+    from ..report import plot_scores
+    from .diffusers_calibration import calibrate_pipeline
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")

@@ -27,9 +27,6 @@ import inspect
 import threading
 import weakref
 
-STEP_SOURCES = ("start", "scheduler", "timestep", "manual")
-
-
 class DenoisingStepTracker:
     """The current denoising step and, when known, the total of the current run."""
 
@@ -37,7 +34,7 @@ class DenoisingStepTracker:
         self._lock = threading.Lock()
         self.step = 0
         self.total_steps: int | None = None
-        self.source = "start"
+        self.source = "start"  # where the step came from: "start", "scheduler", "timestep" or "manual"
         self._last_timestep: float | None = None
 
     # -- scheduler events -----------------------------------------------------------------------

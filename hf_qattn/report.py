@@ -1,0 +1,112 @@
+"""The calibration plots, in one style: matplotlib's object API on an Agg canvas (pyplot's state is left
+alone), the same score label, the int8 entries of the plan marked.
+
+- :func:`plot_layer_scores`: a bar per layer (mean INT4 score, worst input as a tick), for
+  :func:`hf_qattn.calibrate`'s result;
+- :func:`plot_scores`: a step × layer heatmap (mean and worst), for
+  :func:`hf_qattn.calibrate_pipeline`'s result or a plan it saved (its meta keeps the scores).
+
+Both raise ``ImportError`` naming the extra to install when matplotlib is missing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from .plan import QAttnPlan
+from .scoring import METRIC
+
+SCORE_LABEL = f"INT4 score ({METRIC})"
+
+
+def _figure(figsize, **options):
+    """A Figure on an Agg canvas, or ImportError when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("plotting needs matplotlib: pip install 'hf-qattn[plot]'") from error
+    figure = Figure(figsize=figsize, **options)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def plot_layer_scores(result, path, title: str):
+    """Bar chart of the mean INT4 score per layer (worst as a tick), int8 layers marked. Returns the path."""
+    layers = sorted(result.scores)
+    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.6), layout="tight")
+    from matplotlib.patches import Patch
+
+    means = [result.scores[layer].mean for layer in layers]
+    worst = [result.scores[layer].worst for layer in layers]
+    colors = ["tab:orange" if result.plan.precision(layer) == "int8" else "tab:blue" for layer in layers]
+    ax = figure.subplots()
+    ax.bar(layers, means, color=colors)
+    ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3, label="worst input")
+    low = min(worst + means)
+    ax.set_ylim(max(0.0, low - 0.3 * (1.0 - low) - 1e-4), 1.0)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(SCORE_LABEL)
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color="tab:orange", label="int8 (plan)"), Patch(color="tab:blue", label="int4 (plan)"),
+               ax.get_legend_handles_labels()[0][0]]
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _score_grid(source, denoiser: str | None):
+    """(mean grid, worst grid, int8 mask) as steps × layers lists from a calibration or a plan."""
+    if hasattr(source, "all_scores") and hasattr(source, "plans"):  # a PipelineCalibration
+        name = denoiser or next(iter(source.plans))
+        if name not in source.plans:
+            raise KeyError(f"denoiser must be one of {sorted(source.plans)}; got {denoiser!r}")
+        plan = source.plans[name]
+        table = {key: (score.mean, score.worst) for key, score in source.all_scores[name].items()}
+    elif isinstance(source, QAttnPlan):
+        plan = source
+        saved = source.meta.get("scores")
+        if not isinstance(saved, Mapping):
+            raise ValueError("this plan carries no scores (plan.meta['scores']); pass the calibration result")
+        table = {(int(s), int(l)): tuple(pair) for s, row in saved.items() for l, pair in row.items()}
+    else:
+        raise TypeError(f"source must be a PipelineCalibration or a calibrated QAttnPlan; got {type(source).__name__}")
+    steps = max(plan.num_steps or 0, 1 + max(s for s, _ in table))
+    layers = max(plan.num_layers or 0, 1 + max(l for _, l in table))
+    mean = [[math.nan] * layers for _ in range(steps)]
+    worst = [[math.nan] * layers for _ in range(steps)]
+    int8 = [[plan.precision(l, s) == "int8" for l in range(layers)] for s in range(steps)]
+    for (s, l), (m, w) in table.items():
+        mean[s][l], worst[s][l] = m, w
+    return mean, worst, int8
+
+
+def plot_scores(source, path, *, denoiser: str | None = None, title: str | None = None) -> str:
+    """Write a step × layer heatmap PNG of the INT4 scores (mean and worst), int8 entries marked.
+
+    ``source`` is a :class:`~hf_qattn.integrations.diffusers.calibration.PipelineCalibration` or a
+    plan saved by calibration (its meta keeps the scores). Returns the path.
+    """
+    mean, worst, int8 = _score_grid(source, denoiser)
+    steps, layers = len(mean), len(mean[0])
+    figure = _figure((min(4 + 0.25 * layers, 24) * 2, min(2.5 + 0.18 * steps, 16)), constrained_layout=True)
+    from matplotlib.ticker import MaxNLocator
+
+    marked = [(l, s) for s in range(steps) for l in range(layers) if int8[s][l]]
+    for axis, grid, name in zip(figure.subplots(1, 2), (mean, worst), ("mean", "worst")):
+        image = axis.imshow(grid, aspect="auto", origin="upper", cmap="viridis", interpolation="nearest")
+        if marked:
+            axis.scatter([l for l, _ in marked], [s for _, s in marked], marker="s", s=12, facecolors="none",
+                         edgecolors="red", linewidths=0.8, label="int8")
+            axis.legend(loc="upper right", fontsize="small")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_xlabel("attention layer")
+        axis.set_ylabel("denoising step")
+        axis.set_title(f"{SCORE_LABEL}, {name}")
+        figure.colorbar(image, ax=axis)
+    if title:
+        figure.suptitle(title)
+    figure.savefig(path, dpi=120)
+    return str(path)
