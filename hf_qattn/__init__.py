@@ -12,7 +12,7 @@ transformers loads (nothing happens when transformers is not installed).
 """
 
 from .api import qattn
-from .calibration import calibrate
+from .integrations.transformers.calibration import calibrate
 from .plan import PlanError, QAttnPlan
 from .stats import fallback_stats, reset_fallback_stats
 
@@ -30,7 +30,7 @@ def _install_integrations() -> None:
 _install_integrations()
 
 # Diffusers integration, imported on first use so that `import hf_qattn` never needs diffusers.
-_DIFFUSERS_EXPORTS = {"patch": "diffusers", "unpatch": "diffusers", "calibrate_pipeline": "diffusers_calibration"}
+_DIFFUSERS_EXPORTS = ("patch", "unpatch", "calibrate_pipeline")
 __all__ += list(_DIFFUSERS_EXPORTS)
 
 
@@ -38,5 +38,5 @@ def __getattr__(name):
     if name in _DIFFUSERS_EXPORTS:
         from importlib import import_module
 
-        return getattr(import_module(f".integrations.{_DIFFUSERS_EXPORTS[name]}", __name__), name)
+        return getattr(import_module(".integrations.diffusers", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

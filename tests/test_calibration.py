@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_qattn import QAttnPlan, calibrate
-from hf_qattn.calibration import _simple_progress
+from hf_qattn.integrations.transformers.calibration import _simple_progress
 from hf_qattn.integrations import transformers as integration
 from hf_qattn.plan import PLAN_CONFIG_KEY
 from hf_qattn.scoring import attention_accuracy
@@ -47,7 +47,7 @@ def test_score_is_int4_accuracy_on_the_layers_own_qkv(tiny_model, monkeypatch):
         seen.setdefault(integration.layer_index(module), (query.clone(), key.clone(), value.clone()))
         return real(module, query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(integration, "full_precision_attention", spy)
+    monkeypatch.setattr(integration.attention, "full_precision_attention", spy)
     _, scores = calibrate(model, token_batches(1, batch=1), progress=False)
     for layer, (q, k, v) in seen.items():
         expected = attention_accuracy(q, k, v, qk="int4", is_causal=True).score

@@ -13,9 +13,9 @@ from torch.overrides import TorchFunctionMode
 
 import hf_qattn
 from hf_qattn.integrations import diffusers as integration
-from hf_qattn.integrations import diffusers_sdpa
-from hf_qattn.integrations.diffusers_sdpa import KeyRange, key_padding_range
-from hf_qattn.integrations.diffusers_steps import _HookedMethod
+from hf_qattn.integrations.diffusers import sdpa as diffusers_sdpa
+from hf_qattn.integrations.diffusers.sdpa import KeyRange, key_padding_range
+from hf_qattn.integrations.diffusers.steps import _HookedMethod
 from hf_qattn.plan import PlanError, QAttnPlan
 
 diffusers = pytest.importorskip("diffusers")

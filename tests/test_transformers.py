@@ -268,7 +268,7 @@ def test_analyse_mask_rejects_other_patterns():
 def test_mask_analysis_cached_per_tensor(monkeypatch):
     calls = []
     real = integration.analyse_mask
-    monkeypatch.setattr(integration, "analyse_mask", lambda m: calls.append(1) or real(m))
+    monkeypatch.setattr(integration.attention, "analyse_mask", lambda m: calls.append(1) or real(m))
     mask = visible_keys(2, 6, 6, is_causal=True, kv_start=torch.tensor([0, 2]))
     first = integration._cached_analysis(mask)
     assert integration._cached_analysis(mask) is first and len(calls) == 1
@@ -395,7 +395,7 @@ def test_runs_inside_torch_compile(tiny_model, fresh_stats, monkeypatch):
     """transformers compiles static-cache decoding on GPU: the attention call must leave the graph
     and run eagerly (tracing the kernels' launch and the mask analysis breaks inductor)."""
     eager_calls = []
-    monkeypatch.setattr(integration, "_eager_attention_forward", torch.compiler.disable(
+    monkeypatch.setattr(integration.attention, "_eager_attention_forward", torch.compiler.disable(
         lambda *args, **kwargs: eager_calls.append(1) or integration.qattn_attention_forward(*args, **kwargs)))
     model = tiny_model("llama", attn="qattn")
     ids = torch.randint(3, 128, (2, 8))

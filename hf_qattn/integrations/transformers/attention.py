@@ -1,21 +1,4 @@
-"""Transformers integration: the ``"qattn"`` attention implementation.
-
-Importing :mod:`hf_qattn` arranges for two registrations as soon as transformers' own modules load
-(so ``import hf_qattn`` stays cheap and does not import transformers itself):
-
-- ``AttentionInterface["qattn"]`` = :func:`qattn_attention_forward`;
-- ``AttentionMaskInterface["qattn"]`` = transformers' own ``sdpa_mask``, so every model builds the
-  masks it builds for SDPA: ``None`` (then ``is_causal`` decides, as in SDPA) or a 4D boolean mask.
-
-After that ``from_pretrained(path, attn_implementation="qattn")`` and
-``model.set_attn_implementation("qattn")`` work for every model that uses the interface.
-
-The same registration wraps ``PreTrainedModel.post_init`` once (:func:`on_model_init`): every
-model construction — ``from_pretrained``, ``from_config``, a plain constructor — validates
-``config.qattn_plan`` when present (version, precisions, layer indices against
-``num_hidden_layers``) and raises :class:`hf_qattn.PlanError` there, at load, never at the first
-forward; it also numbers the attention modules of models that have no ``layer_idx`` (ViT, ...).
-The plan is applied whenever the model runs with ``attn_implementation="qattn"``.
+"""The ``"qattn"`` attention function for transformers' attention interface.
 
 Per call, :func:`qattn_attention_forward`
 
@@ -31,7 +14,8 @@ Per call, :func:`qattn_attention_forward`
 3. calls :func:`hf_qattn.qattn` in HND layout, with fewer K/V heads for GQA (no repeat).
 
 Anything the kernel cannot serve runs in full precision instead, counted under its reason and
-warned once (:func:`hf_qattn.fallback_stats`); the reasons are the ``REASON_*`` constants below.
+warned once (:func:`hf_qattn.fallback_stats`); the reasons are the ``REASON_*`` constants (those
+that do not depend on the call's keywords or mask come from :mod:`hf_qattn.support`).
 Soft-capping, attention sinks, sparse indices and ``output_attentions`` run the model's own eager
 attention (SDPA cannot express them), counted as path ``"eager"``; every other fallback runs
 transformers' SDPA path with the model's own mask, counted as ``"sdpa"``.
@@ -41,20 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import importlib.machinery
-import importlib.util
 import sys
 import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .. import api, stats, support
-from ..masks import visible_keys
-from ..plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
-from ..support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
+from ... import api, stats, support
+from ...masks import visible_keys
+from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
+from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
                        REASON_HEAD_DIM, REASON_HEADS, REASON_VALUE_DIM)
 
 ATTN_IMPLEMENTATION = "qattn"
@@ -385,125 +365,3 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 
 _eager_attention_forward = torch.compiler.disable(qattn_attention_forward)
-
-
-# ------------------------------------------------------------------------------------------------
-# model construction hook: plan validation at load, layer indices for models without them
-
-
-def _looks_like_attention(module) -> bool:
-    return type(module).__name__.endswith("Attention") and hasattr(module, "config")
-
-
-def _stamp_layer_indices(model) -> None:
-    candidates = [m for m in model.modules() if _looks_like_attention(m)]
-    if not candidates or any(isinstance(getattr(m, "layer_idx", None), int) for m in candidates):
-        return
-    inner = [m for m in candidates if not any(c is not m and _looks_like_attention(c) for c in m.modules())]
-    for index, module in enumerate(inner):
-        module._qattn_layer_idx = index
-
-
-def on_model_init(model) -> None:
-    """Run after every ``PreTrainedModel.post_init``: a malformed plan fails here, at load."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return
-    data = getattr(config, PLAN_CONFIG_KEY, None)
-    if data is not None:
-        try:
-            plan = plan_from_config(config)
-        except PlanError as error:
-            raise PlanError(f"{type(model).__name__}: config.{PLAN_CONFIG_KEY} is invalid: {error}") from None
-        if isinstance(data, QAttnPlan):  # keep config.json serializable
-            setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
-    _stamp_layer_indices(model)
-
-
-def _wrap_post_init(pretrained_model_class) -> None:
-    original = pretrained_model_class.post_init
-    if getattr(original, "_hf_qattn_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def post_init(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        on_model_init(self)
-        return result
-
-    post_init._hf_qattn_wrapped = True
-    pretrained_model_class.post_init = post_init
-
-
-# ------------------------------------------------------------------------------------------------
-# registration
-
-
-def _register_attention(modeling_utils) -> None:
-    modeling_utils.AttentionInterface.register(ATTN_IMPLEMENTATION, qattn_attention_forward)
-    _wrap_post_init(modeling_utils.PreTrainedModel)
-
-
-def _register_mask(masking_utils) -> None:
-    masking_utils.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, masking_utils.sdpa_mask)
-
-
-_ON_LOAD = {"transformers.modeling_utils": _register_attention, "transformers.masking_utils": _register_mask}
-_done: set[str] = set()
-
-
-def _on_loaded(name: str) -> None:
-    if name not in _done:
-        _done.add(name)
-        try:
-            _ON_LOAD[name](sys.modules[name])
-        except Exception as error:  # an incompatible transformers must not break its own import
-            warnings.warn(f"hf_qattn: could not register with {name}: {error!r}", RuntimeWarning, stacklevel=2)
-    if len(_done) == len(_ON_LOAD) and _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-
-
-class _RegisterOnLoad:
-    """Meta-path finder: lets transformers' modules load normally, then registers qattn in them."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _ON_LOAD or fullname in _done:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            _on_loaded(fullname)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-_finder = _RegisterOnLoad()
-
-
-def install() -> bool:
-    """Register qattn with transformers now if it is loaded, else as soon as it loads. False without transformers."""
-    if importlib.util.find_spec("transformers") is None:
-        return False
-    if _finder not in sys.meta_path and len(_done) < len(_ON_LOAD):
-        sys.meta_path.insert(0, _finder)
-    for name in _ON_LOAD:
-        if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
-            module = sys.modules[name]
-            if hasattr(module, "AttentionInterface" if name.endswith("modeling_utils") else "AttentionMaskInterface"):
-                _on_loaded(name)
-    return True
-
-
-def register() -> None:
-    """Import transformers' modules and register qattn right away (``install`` does it lazily)."""
-    import transformers.masking_utils
-    import transformers.modeling_utils
-
-    install()
-    for name in _ON_LOAD:
-        _on_loaded(name)

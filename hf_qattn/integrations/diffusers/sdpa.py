@@ -4,7 +4,7 @@ Diffusers computes attention either by calling ``torch.nn.functional.scaled_dot_
 in its processor (CogVideoX, SD3, UNets, ...) or through ``attention_dispatch`` whose native backend
 calls the same function (Flux, Wan, HunyuanVideo, LTX, ...). The patch intercepts that call with a
 ``TorchFunctionMode`` that is active only while a denoiser attention module runs (see
-:mod:`hf_qattn.integrations.diffusers`); this module decides what to do with each intercepted call:
+:mod:`hf_qattn.integrations.diffusers.patching`); this module decides what to do with each intercepted call:
 
 - :func:`sdpa_arguments` names the positional / keyword arguments the way SDPA does;
 - :func:`kernel_gap` says why the kernel cannot serve the call (or ``None``), and turns a
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import qattn
-from ..support import call_gap
+from ...api import qattn
+from ...support import call_gap
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

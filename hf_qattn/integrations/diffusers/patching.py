@@ -28,7 +28,7 @@ context-parallel processors, and processors that compute attention without SDPA.
 
 Limits: eager mode (torch.compile of the denoiser is untested with the hooks); attention computed
 outside an attention module (no ``processor``) is not routed; the step tracking is described in
-:mod:`hf_qattn.integrations.diffusers_steps`.
+:mod:`hf_qattn.integrations.diffusers.steps`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from collections.abc import Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import stats, support
-from ..plan import DEFAULT_PRECISION, LEGACY_SPELLINGS, PLAN_CONFIG_KEY, PRECISIONS, UNQUANTIZED, PlanError, QAttnPlan
-from .diffusers_sdpa import SDPA, MaskCache, kernel_gap, run_qattn, sdpa_arguments
-from .diffusers_steps import DenoisingStepTracker, SchedulerHooks
+from ... import stats, support
+from ...plan import DEFAULT_PRECISION, LEGACY_SPELLINGS, PLAN_CONFIG_KEY, PRECISIONS, UNQUANTIZED, PlanError, QAttnPlan
+from .sdpa import SDPA, MaskCache, kernel_gap, run_qattn, sdpa_arguments
+from .steps import DenoisingStepTracker, SchedulerHooks
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "unet_2")
 PLAN_FILE_NAME = "config.json"

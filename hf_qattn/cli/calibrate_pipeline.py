@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 
-from ..cli_args import CLIError, positive_int, ratio
+from .args import CLIError, positive_int, ratio
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -91,7 +91,7 @@ def run_calibrate_pipeline(args: argparse.Namespace) -> int:
     from diffusers import DiffusionPipeline
 
     from ..report import plot_scores
-    from .diffusers_calibration import calibrate_pipeline
+    from ..integrations.diffusers.calibration import calibrate_pipeline
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")

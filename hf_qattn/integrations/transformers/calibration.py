@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import PLAN_CONFIG_KEY, QAttnPlan, check_ratio
-from .scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
+from ...plan import PLAN_CONFIG_KEY, QAttnPlan, check_ratio
+from ...scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
+from .attention import layer_index
 
 
 @dataclass
@@ -57,8 +58,6 @@ class _ScoreCollector:
         self.skipped[reason] += 1
 
     def observe(self, module, query, key, value, pattern, scaling) -> None:
-        from .integrations.transformers import layer_index
-
         layer = layer_index(module)
         if layer is None:
             self.skipped["attention module without a layer index"] += 1
@@ -173,9 +172,9 @@ def calibrate(
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError("model must be a transformers PreTrainedModel (with .config and .set_attn_implementation)")
-    from .integrations import transformers as integration
+    from . import attention, registration
 
-    integration.register()
+    registration.register()
     batches = _batches(inputs, tokenizer, batch_size, max_length)
     device = _model_device(model)
     accepts_use_cache = "use_cache" in inspect.signature(model.forward).parameters
@@ -183,10 +182,10 @@ def calibrate(
     previous_impl = config._attn_implementation
     was_training = model.training
     collector = _ScoreCollector()
-    model.set_attn_implementation(integration.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
     try:
         model.eval()
-        with torch.no_grad(), integration.calibrating(collector):
+        with torch.no_grad(), attention.calibrating(collector):
             for batch in _progress(batches, progress, "hf_qattn calibrate"):
                 call = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
                         for name, value in batch.items()}
@@ -205,6 +204,6 @@ def calibrate(
     meta = describe(batches=len(batches),
                     scores={str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()})
     plan = QAttnPlan.from_scores({layer: s.mean for layer, s in scores.items()}, ratio,
-                                 num_layers=integration._num_layers(config), meta=meta)
+                                 num_layers=attention._num_layers(config), meta=meta)
     setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
     return CalibrationResult(plan=plan, scores=scores, skipped=dict(collector.skipped))

@@ -3,7 +3,7 @@
 The pipeline runs its normal denoising loop in full precision (its outputs are the unpatched
 ones). At every attention call of the denoiser, the INT4 kernel is scored on the very Q, K, V it
 sees (:func:`hf_qattn.scoring.attention_accuracy`, score = CosSim · (1 − RelL1)), filed under the
-current denoising step (see :mod:`hf_qattn.integrations.diffusers_steps`) and the module's layer
+current denoising step (see :mod:`hf_qattn.integrations.diffusers.steps`) and the module's layer
 index. Several calls at one (step, layer) within a prompt — separate cond / uncond passes — are
 averaged; each prompt then counts once in the mean, and the worst single call is kept too. The
 lowest-scoring ``ratio`` share of (step, layer) entries by mean becomes ``"int8"``, the rest
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..plan import QAttnPlan, check_ratio
-from ..scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
-from .diffusers import _start_patch, store_plan
+from ...plan import QAttnPlan, check_ratio
+from ...scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
+from .patching import _start_patch, store_plan
 
 StepLayer = tuple[int, int]
 

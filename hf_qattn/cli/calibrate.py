@@ -1,0 +1,64 @@
+"""``hf-qattn calibrate MODEL_DIR --ratio 0.3 --text FILE --out OUT_DIR``: calibrate a transformers model on text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .args import CLIError, positive_int, ratio, read_text_lines
+from .common import default_device, model_class, quiet_transformers, format_table, save_plot, score_rows
+
+
+def _add_calibrate(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate", help="score every layer on text and write a 4/8-bit plan into the model config",
+        description="Run MODEL_DIR with full-precision attention on lines of --text, score the INT4 kernel at "
+                    "every layer, mark the lowest --ratio share int8, and save the model (config with the plan), "
+                    "its tokenizer, scores.json and scores.png into --out.")
+    parser.add_argument("model_dir", type=Path, help="a transformers model folder (config.json, weights, tokenizer)")
+    parser.add_argument("--text", type=Path, required=True, help="text file: one input per line ('#' lines skipped)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--ratio", type=ratio, default=0.3, help="share of layers marked int8 (default 0.3)")
+    parser.add_argument("--max-samples", type=positive_int, default=32, help="lines of --text to use (default 32)")
+    parser.add_argument("--max-length", type=positive_int, default=256, help="tokens per line at most (default 256)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="lines per forward pass (default 8)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..integrations.transformers.calibration import calibrate
+
+    quiet_transformers()
+    model_dir = args.model_dir
+    if not (model_dir / "config.json").is_file():
+        raise CLIError(f"MODEL_DIR {model_dir} is not a transformers model folder (no config.json)")
+    texts = read_text_lines(args.text, args.max_samples)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as error:  # noqa: BLE001 - any loading failure means the same thing here
+        raise CLIError(f"MODEL_DIR {model_dir} has no loadable tokenizer, which --text needs ({error})") from None
+    device = default_device()
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype).to(device)
+    result = calibrate(model, texts, args.ratio, tokenizer=tokenizer, batch_size=args.batch_size,
+                       max_length=args.max_length, progress=not args.no_progress)
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "scores.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    plot = save_plot(result, out / "scores.png", f"{model_dir.name}: INT4 score per layer ({len(texts)} inputs)")
+
+    print(format_table(["layer", "mean", "worst", "inputs", "plan"], score_rows(result)))
+    counts = result.plan.count()
+    print(f"\nplan: {counts['int8']} layer(s) int8, {counts['int4']} int4 (ratio {args.ratio}); "
+          f"written to {out / 'config.json'} under 'qattn_plan'")
+    print(f"scores: {out / 'scores.json'}" + (f", plot: {plot}" if plot else ""))
+    if result.skipped:
+        print(f"calls not scored: {result.skipped}")
+    return 0
