@@ -84,3 +84,15 @@ class ScoreSums:
     def score(self) -> Score:
         n = self.count
         return Score(mean=self.total / n, worst=self.worst, count=n, cos_sim=self.cos_sim / n, rel_l1=self.rel_l1 / n)
+
+
+class CalibrationOutcome:
+    """What both calibrations return shares this: it unpacks as ``plan, scores``, and its JSON form
+    starts with how the scores were made and ends with the calls that were not scored."""
+
+    def __iter__(self):
+        yield self.plan
+        yield self.scores
+
+    def _json(self, **body) -> dict:
+        return {"metric": METRIC, "qk": CALIBRATION_QK, **body, "skipped": dict(self.skipped)}

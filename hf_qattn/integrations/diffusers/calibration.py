@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ...plan import QAttnPlan, check_ratio
-from ...scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
+from ...scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .patching import _start_patch, store_plan
 
 StepLayer = tuple[int, int]
 
 
 @dataclass
-class PipelineCalibration:
+class PipelineCalibration(CalibrationOutcome):
     """What :func:`calibrate_pipeline` found: ``plan, scores = calibrate_pipeline(...)`` unpacks
     the first denoiser's; ``plans`` / ``all_scores`` hold every denoiser's (Wan 2.2 has two)."""
 
@@ -45,20 +45,12 @@ class PipelineCalibration:
     def scores(self) -> dict[StepLayer, Score]:
         return next(iter(self.all_scores.values()))
 
-    def __iter__(self):
-        yield self.plan
-        yield self.scores
-
     def to_dict(self) -> dict:
-        return {
-            "metric": METRIC,
-            "qk": CALIBRATION_QK,
-            "num_steps": self.num_steps,
-            "plans": {name: plan.to_dict() for name, plan in self.plans.items()},
-            "scores": {name: [{"step": s, "layer": l, **score.as_dict()} for (s, l), score in sorted(table.items())]
-                       for name, table in self.all_scores.items()},
-            "skipped": dict(self.skipped),
-        }
+        return self._json(num_steps=self.num_steps,
+                          plans={name: plan.to_dict() for name, plan in self.plans.items()},
+                          scores={name: [{"step": s, "layer": l, **score.as_dict()}
+                                         for (s, l), score in sorted(table.items())]
+                                  for name, table in self.all_scores.items()})
 
 
 class _ScoreRecorder:

@@ -21,30 +21,21 @@ from dataclasses import dataclass, field
 import torch
 
 from ...plan import PLAN_CONFIG_KEY, QAttnPlan, check_ratio
-from ...scoring import CALIBRATION_QK, METRIC, Score, ScoreSums, attention_accuracy, describe
+from ...scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .attention import layer_index
 
 
 @dataclass
-class CalibrationResult:
+class CalibrationResult(CalibrationOutcome):
     """``plan, scores = calibrate(...)`` unpacks; ``skipped`` counts calls the kernel could not serve."""
 
     plan: QAttnPlan
     scores: dict[int, Score]
     skipped: dict[str, int] = field(default_factory=dict)
 
-    def __iter__(self):
-        yield self.plan
-        yield self.scores
-
     def to_dict(self) -> dict:
-        return {
-            "metric": METRIC,
-            "qk": CALIBRATION_QK,
-            "plan": self.plan.to_dict(),
-            "layers": {str(layer): score.as_dict() for layer, score in sorted(self.scores.items())},
-            "skipped": dict(self.skipped),
-        }
+        return self._json(plan=self.plan.to_dict(),
+                          layers={str(layer): score.as_dict() for layer, score in sorted(self.scores.items())})
 
 
 class _ScoreCollector:
