@@ -141,6 +141,55 @@ def speed_rows(dtypes, dims, lengths, batch=4, heads=32):
     return rows
 
 
+def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
+    """The sm90 Gluon kernel against cuDNN and the Triton kernel, with its two steps timed apart:
+    the K/V pass (centers, V max, quantize: GB/s against a device-to-device copy of K and V) and
+    the kernel alone on pre-quantized inputs."""
+    rows = []
+    for d in dims:
+        for causal in (False, True):
+            for n in lengths:
+                q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
+                out = torch.empty_like(q)
+                flops = 4 * batch * heads * n * n * d * (0.5 if causal else 1.0)
+                common = dict(sm_scale=d ** -0.5, qk="int8", smooth_q=True, smooth_k=True, smooth_v=True)
+                config = tuning.hopper_config(d)
+
+                def prepass():
+                    return launch.quantize_kv(q, k, v, v_fp8=True, kv_start=None, kv_end=None,
+                                              block_n=config["BLOCK_N"], k_token_scale=False, v_channel_scale=True,
+                                              permute_v=True, **common)
+                kv = prepass()
+                kv_bytes = 2 * k.numel() * k.element_size()
+                copy_src, copy_dst = torch.cat([k, v]), torch.empty(2 * k.numel(), dtype=dtype, device="cuda")
+                times = {
+                    "cudnn": time_ms(sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal)),
+                    "triton-8b": time_ms(lambda: launch.quantized_attention(
+                        q, k, v, out, is_causal=causal, v_fp8=True, kv_start=None, kv_end=None, return_lse=False,
+                        **common)),
+                    "gluon-8b": time_ms(lambda: launch.hopper_attention(
+                        q, k, v, out, is_causal=causal, kv_start=None, kv_end=None, return_lse=False, **common)),
+                    "gluon-kernel": time_ms(lambda: launch.hopper_kernel_launch(
+                        q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
+                        return_lse=False, stages=config["STAGES"])),
+                    "prepass": time_ms(prepass),
+                    "copy": time_ms(lambda: copy_dst.copy_(copy_src.view(-1))),
+                }
+                row = {"dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
+                row.update({name: flops / (times[name] * 1e-3) / 1e12 for name in
+                            ("cudnn", "triton-8b", "gluon-8b", "gluon-kernel")})
+                row["gluon/cudnn"] = row["gluon-8b"] / row["cudnn"]
+                row["kernel/cudnn"] = row["gluon-kernel"] / row["cudnn"]
+                row["prepass_ms"] = times["prepass"]
+                # the K/V pass reads K and V (V twice: max, then quantize) and writes 1 byte a value
+                row["prepass GB/s"] = (kv_bytes * 1.5 + kv_bytes / 2) / (times["prepass"] * 1e-3) / 1e9
+                row["copy GB/s"] = 2 * kv_bytes / (times["copy"] * 1e-3) / 1e9
+                rows.append(row)
+                log("   ", fmt_row(row, list(row)[4:]))
+                del q, k, v, out, kv, copy_src, copy_dst
+    return rows
+
+
 def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
     """Split one qattn-8b call into its launches, to see where time goes."""
     q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
@@ -216,6 +265,7 @@ def main():
     parser.add_argument("--tune", action="store_true", help="also sweep tile configurations")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--stages-only", action="store_true", help="only the per-stage times of one call")
+    parser.add_argument("--hopper-only", action="store_true", help="only the sm90 Gluon kernel's table")
     parser.add_argument("--out", default=None, help="markdown file to write (default eval/results/kernels-<gpu>-<date>.md)")
     args = parser.parse_args()
 
@@ -234,6 +284,14 @@ def main():
               f"sageattention {'1.0.6' if sageattn else 'not installed'}")
     log(header)
     sections = [f"# Kernel benchmark — {gpu}\n\n{header}\n"]
+
+    if args.hopper_only:
+        lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+        rows = hopper_rows(torch.float16, [64, 128], lengths)
+        sections.append("## sm90 Gluon kernel (fp16, B4 H32; TOPS; causal counts half the FLOPs)\n\n" + markdown(rows))
+        log("\n" + markdown(rows))
+        save()
+        return
 
     if args.stages_only:
         rows = [stage_times(dtype, d=d, n=n) for dtype in (torch.float16,) for d in (64, 128) for n in (1024, 8192)]

@@ -1,11 +1,18 @@
-"""Run one quantized attention call on the kernels: centers → quantize K/V → attention.
+"""Host side of the kernels: one quantized attention call is centers → K/V pass → attention.
+
+Two attention kernels share the first two steps:
+
+- ``quantized_attention``: the portable Triton kernel (sm80/89/90, and the CPU interpreter);
+- ``hopper_attention``: the warp-specialized Gluon kernel for sm90 (``kernels/hopper/``).
 
 Inputs are already validated by :func:`hf_qattn.qattn`; this module only lays out buffers and
-launches. Views are HND by strides (an NHD tensor is passed as its transposed view: no copy).
+launches, on the current device (the caller holds a ``torch.cuda.device`` guard). Views are HND
+by strides (an NHD tensor is passed as its transposed view: no copy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,7 +23,7 @@ from hf_qattn.quant import INT_MAX, P_SCALE
 
 from . import tuning
 from .attention import attention_kernel
-from .quantize import centers_kernel, quantize_kv_kernel
+from .quantize import centers_kernel, quantize_kv_kernel, v_absmax_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -37,6 +44,65 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool):
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
 
 
+@dataclasses.dataclass
+class QuantizedKV:
+    """What the K/V pass hands an attention kernel (shapes in ``kernels/quantize.py``)."""
+
+    kq: torch.Tensor
+    ks: torch.Tensor
+    vq: torch.Tensor
+    vs: torch.Tensor
+    ds: torch.Tensor
+    q_bar: torch.Tensor
+    k_bar: torch.Tensor
+    v_bar: torch.Tensor
+    nk_pad: int
+    tiles: int
+
+
+def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
+                kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
+                permute_v: bool = False) -> QuantizedKV:
+    """Centers, then one pass over K and V (plus, for per-channel V scales, one read of V before it)."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    device = q.device
+    d_pad = tuning.padded_head_dim(d)
+    tiles = math.ceil(nk / block_n)
+    nk_pad = tiles * block_n
+    q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v)
+    kq = torch.empty(b * hk * nk_pad, d_pad, device=device, dtype=torch.int8)
+    ks = torch.empty(b * hk, nk_pad if k_token_scale else tiles, device=device, dtype=torch.float32)
+    vq = torch.empty(b * hk * d_pad, nk_pad, device=device, dtype=torch.float8_e4m3fn if v_fp8 else torch.float16)
+    ds = torch.empty(b * hq, nk_pad, device=device, dtype=torch.float32)
+    if v_channel_scale:
+        vs = torch.zeros(b * hk, d_pad, device=device, dtype=torch.float32)
+        v_absmax_kernel[(tiles, b * hk)](v, v_bar, vs, *v.stride(), hk, nk, HEAD_DIM=d, D_PAD=d_pad,
+                                         BLOCK_N=block_n, num_warps=tuning.quantize_num_warps(block_n, d))
+    else:
+        vs = torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
+    has_range = kv_start is not None or kv_end is not None
+    quantize_kv_kernel[(tiles, b * hk)](
+        k, v, k_bar, v_bar, q_bar, kv_start, kv_end, kq, ks, vq, vs, ds,
+        *k.stride(), *v.stride(),
+        hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
+        HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
+        K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
+        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(),
+        num_warps=tuning.quantize_num_warps(block_n, d),
+    )
+    return QuantizedKV(kq, ks, vq, vs, ds, q_bar, k_bar, v_bar, nk_pad, tiles)
+
+
+def _key_range(kv_start, kv_end, b: int, nk: int, device):
+    """Both ends as contiguous int32 (the kernels index them by batch), or (None, None) for all keys."""
+    if kv_start is None and kv_end is None:
+        return None, None
+    start = torch.zeros(b, device=device, dtype=torch.int32) if kv_start is None else kv_start.to(torch.int32)
+    end = torch.full((b,), nk, device=device, dtype=torch.int32) if kv_end is None else kv_end.to(torch.int32)
+    return start.contiguous(), end.contiguous()
+
+
 def quantized_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,7 +121,8 @@ def quantized_attention(
     return_lse: bool,
     config: dict | None = None,
 ) -> torch.Tensor | None:
-    """q (B, Hq, Nq, D), k/v (B, Hk, Nk, D), out like q — all HND views. Writes ``out``; returns lse or None."""
+    """The portable Triton kernel. q (B, Hq, Nq, D), k/v (B, Hk, Nk, D), out like q — all HND views.
+    Writes ``out``; returns lse or None."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
@@ -63,43 +130,73 @@ def quantized_attention(
         config = tuning.attention_config(tuning.arch_of(device), d, is_causal, "fp8" if v_fp8 else "fp16", qk)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     d_pad = tuning.padded_head_dim(d)
-    tiles = math.ceil(nk / block_n)
-    nk_pad = tiles * block_n
-    score_coef = sm_scale * LOG2E
-    qk_max = INT_MAX[qk]
-    grid_round = tuning.interpreting()
-
-    q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v)
-    kq = torch.empty(b * hk * nk_pad, d_pad, device=device, dtype=torch.int8)
-    ks = torch.empty(b * hk, nk_pad if config["K_TOKEN_SCALE"] else tiles, device=device, dtype=torch.float32)
-    vq = torch.empty(b * hk * d_pad, nk_pad, device=device, dtype=torch.float8_e4m3fn if v_fp8 else torch.float16)
-    vs = torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
-    ds = torch.empty(b * hq, nk_pad, device=device, dtype=torch.float32)
-    kq_desc = TensorDescriptor.from_tensor(kq, [block_n, d_pad])
-    vq_desc = TensorDescriptor.from_tensor(vq, [d_pad, block_n])
-    quantize_kv_kernel[(tiles, b * hk)](
-        k, v, k_bar, v_bar, q_bar, kq, ks, vq, vs, ds,
-        *k.stride(), *v.stride(),
-        hk, hq // hk, nk, nk_pad, tiles, score_coef,
-        HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=qk_max,
-        K_TOKEN_SCALE=config["K_TOKEN_SCALE"], V_FP8=v_fp8, GRID_ROUND=grid_round,
-        num_warps=tuning.quantize_num_warps(block_n, d),
-    )
-
+    kv_start, kv_end = _key_range(kv_start, kv_end, b, nk, device)
+    kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=v_fp8, smooth_q=smooth_q, smooth_k=smooth_k,
+                     smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=block_n,
+                     k_token_scale=config["K_TOKEN_SCALE"])
+    kq_desc = TensorDescriptor.from_tensor(kv.kq, [block_n, d_pad])
+    vq_desc = TensorDescriptor.from_tensor(kv.vq, [d_pad, block_n])
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None
-    has_range = kv_start is not None or kv_end is not None
-    if has_range:
-        kv_start = torch.zeros(b, device=device, dtype=torch.int32) if kv_start is None else kv_start.to(torch.int32).contiguous()
-        kv_end = torch.full((b,), nk, device=device, dtype=torch.int32) if kv_end is None else kv_end.to(torch.int32).contiguous()
     attention_kernel[(triton.cdiv(nq, block_m), b * hq)](
-        q, kq_desc, ks, vq_desc, vs, ds, q_bar, k_bar, v_bar, kv_start, kv_end, out, lse,
+        q, kq_desc, kv.ks, vq_desc, kv.vs, kv.ds, kv.q_bar, kv.k_bar, kv.v_bar, kv_start, kv_end, out, lse,
         *q.stride(), *out.stride(),
-        hq, hq // hk, nq, nk, nk_pad, tiles, score_coef,
+        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, Q_GROUP=config["Q_GROUP"],
-        QK_MAX=qk_max, CAUSAL=is_causal, HAS_KV_RANGE=has_range,
+        QK_MAX=INT_MAX[qk], CAUSAL=is_causal, HAS_KV_RANGE=kv_start is not None,
         K_TOKEN_SCALE=config["K_TOKEN_SCALE"], V_FP8=v_fp8,
         P_LOG2=math.log2(P_SCALE["fp8_e4m3"] if v_fp8 else P_SCALE["fp16"]),
-        RETURN_LSE=return_lse, GRID_ROUND=grid_round,
+        RETURN_LSE=return_lse, GRID_ROUND=tuning.interpreting(),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return lse
+
+
+def hopper_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    is_causal: bool,
+    sm_scale: float,
+    qk: str,
+    smooth_q: bool,
+    smooth_k: bool,
+    smooth_v: bool,
+    kv_start: torch.Tensor | None,
+    kv_end: torch.Tensor | None,
+    return_lse: bool,
+    stages: int | None = None,
+) -> torch.Tensor | None:
+    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``quantized_attention``."""
+    config = tuning.hopper_config(q.shape[-1])
+    kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)
+    kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
+                     smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
+                     k_token_scale=False, v_channel_scale=True, permute_v=True)
+    return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
+                                kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"])
+
+
+def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
+                         kv_end, return_lse: bool, stages: int):
+    """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
+    from .hopper.attention import attention_kernel as hopper_kernel
+    from .hopper.gluon_api import TensorDescriptor as GluonDescriptor, gl
+
+    b, hq, nq, d = q.shape
+    block_n, d_pad = tuning.hopper_config(d)["BLOCK_N"], tuning.padded_head_dim(d)
+    k_desc = GluonDescriptor.from_tensor(kv.kq, [block_n, d_pad],
+                                         gl.NVMMASharedLayout.get_default_for([block_n, d_pad], gl.int8))
+    vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n],
+                                          gl.NVMMASharedLayout.get_default_for([d_pad, block_n], gl.float8e4nv))
+    lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
+    hopper_kernel[(triton.cdiv(nq, 128), b * hq)](
+        q, k_desc, vt_desc, kv.ks, kv.ds, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
+        *q.stride(), *out.stride(),
+        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E, sm_scale,
+        HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
+        CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
+        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, num_warps=4,
     )
     return lse

@@ -11,10 +11,15 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
     ks   fp32  (B·Hk, NK_PAD) per token, or (B·Hk, T) per tile     δK
     vq   fp8 / fp16  (B·Hk·D_PAD, NK_PAD)   V − v̄ over its scale, stored transposed: Hopper's
                                           FP8 tensor cores need P·V's B operand K-major
-    vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel)
-    ds   fp32  (B·Hq, NK_PAD)           ΔS·sm_scale·log2 e for each query head of the group
+    vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel); or, with V_CHANNEL_SCALE, (B·Hk, D_PAD)
+                                        max |V − v̄| per channel over all keys (``v_absmax_kernel``,
+                                        read here, not written), from which δV = max / 448
+    ds   fp32  (B·Hq, NK_PAD)           ΔS·sm_scale·log2 e for each query head of the group, −inf
+                                        for keys outside [kv_start, kv_end) and padding keys
 
-Padding rows and columns are written as zeros.
+Padding rows and columns of kq / vq are written as zeros. With PERMUTE_V, V̂ᵀ's columns follow
+the Hopper kernel's key order (``_v_column``). A K group holding NaN/±Inf gets a NaN scale, so
+the rows that see it come out NaN, as with full-precision attention.
 """
 
 import triton
@@ -74,14 +79,47 @@ def centers_kernel(
 
 
 @triton.jit
+def v_absmax_kernel(V, V_BAR, V_ABSMAX, stride_vb, stride_vh, stride_vn, stride_vd, HK, NK,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """V_ABSMAX[b·Hk, c] = max over all tokens of |V − v̄| (zero-initialized; one program per key tile)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D_PAD)
+    inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
+    v = tl.load(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh + rows[:, None] * stride_vn
+                + cols[None, :] * stride_vd, mask=inside, other=0.0).to(tl.float32)
+    v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    v = tl.where(inside, tl.abs(v - v_bar[None, :]), 0.0)
+    tl.atomic_max(V_ABSMAX + bh * D_PAD + cols, tl.max(v, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _nan_unless_finite(scale, total):
+    """The scale, or NaN where the group it scales held NaN/±Inf (max drops NaN; the sum keeps it)."""
+    return tl.where((total == total) & (tl.abs(total) < float("inf")), scale, float("nan"))
+
+
+@triton.jit
+def _v_column(rows, PERMUTE_V: tl.constexpr):
+    """Column of V̂ᵀ that holds token ``rows``: the Hopper kernel wants keys relabelled inside each
+    32-key group (bits b4 b3 b2 b1 b0 → b4 b2 b1 b3 b0) so that P needs no shuffles before P·V."""
+    if PERMUTE_V:
+        r = rows % 32
+        rows = rows - r + ((r & 17) | (((r >> 1) & 3) << 2) | (((r >> 3) & 1) << 1))
+    return rows
+
+
+@triton.jit
 def quantize_kv_kernel(
-    K, V, K_BAR, V_BAR, Q_BAR,
+    K, V, K_BAR, V_BAR, Q_BAR, KV_START, KV_END,
     KQ, KS, VQ, VS, DS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, GRID_ROUND: tl.constexpr,
+    QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, V_CHANNEL_SCALE: tl.constexpr,
+    PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -99,31 +137,41 @@ def quantize_kv_kernel(
     k = tl.where(inside, k - k_bar[None, :], 0.0)
     if K_TOKEN_SCALE:
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / QK_MAX
-        tl.store(KS + bh * NK_PAD + rows, k_scale)
+        tl.store(KS + bh * NK_PAD + rows, _nan_unless_finite(k_scale, tl.sum(k, axis=1)))
         kq = quantize_symmetric(k, k_scale[:, None], QK_MAX)
     else:
         k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), SCALE_FLOOR) / QK_MAX
-        tl.store(KS + bh * NUM_TILES + tile, k_scale)
+        tl.store(KS + bh * NUM_TILES + tile, _nan_unless_finite(k_scale, tl.sum(tl.sum(k, axis=1), axis=0)))
         kq = quantize_symmetric(k, k_scale, QK_MAX)
     tl.store(KQ + (bh.to(tl.int64) * NK_PAD + rows[:, None]) * D_PAD + cols[None, :], kq)
 
-    # --- ΔS = q̄·(K − k̄)ᵀ for each query head reading this kv head, from the unquantized K.
+    # --- ΔS = q̄·(K − k̄)ᵀ for each query head reading this kv head, from the unquantized K; −inf for
+    # keys outside the sequence's [kv_start, kv_end) and for padding, so they weigh nothing in softmax.
+    visible = rows < NK
+    if HAS_KV_RANGE:
+        visible = visible & (rows >= tl.load(KV_START + b)) & (rows < tl.load(KV_END + b))
     for g in range(GROUPS):
         bhq = b * HK * GROUPS + hk * GROUPS + g
         q_bar = tl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-        tl.store(DS + bhq * NK_PAD + rows, tl.sum(k * q_bar[None, :], axis=1) * score_coef)
+        ds = tl.sum(k * q_bar[None, :], axis=1) * score_coef
+        tl.store(DS + bhq * NK_PAD + rows, tl.where(visible, ds, float("-inf")))
 
     # --- V: subtract v̄, scale per channel over this tile, FP8 E4M3 (or FP16 where no FP8 MMA).
     v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
                 mask=inside, other=0.0).to(tl.float32)
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(inside, v - v_bar[None, :], 0.0)
-    if V_FP8:
+    if V_CHANNEL_SCALE:  # per channel over all keys, from v_absmax_kernel (VS holds those maxima)
+        v_scale = tl.maximum(tl.load(VS + bh * D_PAD + cols), SCALE_FLOOR) / 448.0
+        vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND)
+    elif V_FP8:
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / 448.0
         vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND)
     else:
         v_scale = tl.full([D_PAD], 1.0, tl.float32)
         vq = v.to(tl.float16)
     # transposed so that the stores run along tokens (coalesced); the attention kernel reads V̂ᵀ tiles
-    tl.store(VQ + (bh.to(tl.int64) * D_PAD + cols[:, None]) * NK_PAD + rows[None, :], tl.trans(vq))
-    tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, v_scale)
+    tl.store(VQ + (bh.to(tl.int64) * D_PAD + cols[:, None]) * NK_PAD + _v_column(rows, PERMUTE_V)[None, :],
+             tl.trans(vq))
+    if not V_CHANNEL_SCALE:
+        tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, v_scale)

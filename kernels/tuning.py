@@ -58,6 +58,12 @@ def _attention_config(arch: str, head_dim: int, causal: bool, pv: str, qk: str) 
     return config
 
 
+def hopper_config(head_dim: int) -> dict:
+    """BLOCK_N and STAGES of the sm90 Gluon kernel for this head dim (``hopper`` in kernels.json)."""
+    entry = table()["hopper"]
+    return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
+
+
 def center_sample() -> int:
     return int(table()["center_sample"])
 
@@ -80,3 +86,11 @@ def reference_settings(config: dict) -> dict:
         "v_granularity": "block",
         "center_sample": center_sample(),
     }
+
+
+def hopper_reference_settings() -> dict:
+    """Keywords for :func:`hf_qattn.reference.quantized_attention` that simulate the sm90 Gluon kernel:
+    Q per token, K per 128-key tile, V per channel over all keys."""
+    return {"block_m": 128, "block_n": hopper_config(128)["BLOCK_N"], "warp_rows": 16, "q_granularity": "token",
+            "k_granularity": "block", "v_granularity": "channel", "center_sample": center_sample()}
+

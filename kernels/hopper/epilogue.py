@@ -1,0 +1,40 @@
+"""The epilogue: O = acc / l · δV + v̄ in the output dtype, and optionally the log-sum-exp.
+
+The 448 of P's FP8 scale is in both acc and l, so it cancels. A row that saw no key has l = 0
+and gets zeros (lse −inf); a row that met NaN/Inf keeps it (l is NaN, which is not 0).
+"""
+
+from .gluon_api import gl, gluon
+
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
+                 stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+                 HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BM: gl.constexpr, P_LOG2: gl.constexpr,
+                 RETURN_LSE: gl.constexpr, o_layout: gl.constexpr):
+    row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col: gl.constexpr = gl.SliceLayout(0, o_layout)
+    l = gl.convert_layout(l_i, row)
+    seen = l != 0.0
+    inv_l = gl.where(seen, 1.0 / l, 0.0)
+    rows = row0 + gl.arange(0, BM, layout=row)
+    cols = gl.arange(0, D_PAD, layout=col)
+    inside = (rows < NQ)[:, None] & (cols < HEAD_DIM)[None, :]
+    v_scale = gl.load(V_SCALE + bhk * D_PAD + cols)
+    v_bar = gl.load(V_BAR + bhk * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    out = gl.where(seen[:, None], acc * inv_l[:, None] * v_scale[None, :] + v_bar[None, :], 0.0)
+    base = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=inside)
+    if RETURN_LSE:
+        # K was smoothed, so the lse of the true scores adds sm_scale·q·k̄ back; q is read again here
+        # rather than kept from the prologue (two registers a row all loop long spilled)
+        q = gl.load(Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+                    + rows.to(gl.int64)[:, None] * stride_qn + cols[None, :] * stride_qd, mask=inside, other=0.0)
+        k_bar = gl.load(K_BAR + bhk * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+        shift = gl.sum(q.to(gl.float32) * k_bar[None, :], axis=1) * sm_scale
+        m = gl.convert_layout(m_i, row)
+        lse = gl.where(seen, (m + gl.log2(gl.where(seen, l, 1.0)) - P_LOG2) / _LOG2E + shift, float("-inf"))
+        gl.store(LSE + bhq.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)

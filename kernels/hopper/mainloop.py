@@ -1,0 +1,138 @@
+"""The consumers: two warpgroups, 64 query rows each, that turn K̂/V̂ᵀ tiles into an output.
+
+Prologue (``quantize_q``): the warpgroup loads its Q rows in the model's dtype (any layout, by
+strides), subtracts q̄ and quantizes each row to INT8 (±127, or ±7 for qattn-4b) with its own
+scale: per token, finer than the paper's per warp and free here, since the scale multiplies a
+row of S anyway. The INT8 rows go to shared memory, the A operand of every Q·Kᵀ wgmma.
+
+Main loop (``attend``), FA3's intra-warpgroup order: while P·V of tile j runs on the tensor
+cores, the softmax of tile j+1 runs on the FP32/MUFU units:
+
+    issue  S(j+1) = Q̂·K̂(j+1)ᵀ          INT8 wgmma, int32 accumulator
+    issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O
+    wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS,  m, l,  P = 2^(s − m + log2 448)
+    wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)
+
+P is produced at the FP8 scale directly (448 = E4M3's largest value, folded into exp2). Keys are
+relabelled inside each 32-key group (and V̂ᵀ's columns permuted to match by the K/V pass), so P
+goes from the S accumulator registers to the P·V A operand without shuffles.
+"""
+
+from .gluon_api import fence_async_shared, gl, gluon, mbarrier, partition_barrier, warpgroup_mma, warpgroup_mma_wait
+
+_ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5·2^23: x + M − M rounds a float32 to an integer, ties to even
+
+
+@gluon.jit
+def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ, score_coef,
+               HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BM: gl.constexpr, QK_MAX: gl.constexpr,
+               qk_layout: gl.constexpr):
+    """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
+    cols = gl.arange(0, D_PAD, layout=gl.SliceLayout(0, blocked))
+    inside = (rows < NQ)[:, None] & (cols < HEAD_DIM)[None, :]
+    base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+    q = gl.load(base + rows.to(gl.int64)[:, None] * stride_qn + cols[None, :] * stride_qd, mask=inside,
+                other=0.0).to(gl.float32)
+    q_bar = gl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    qs = gl.where(inside, q - q_bar[None, :], 0.0)
+    q_scale = gl.maximum(gl.max(gl.abs(qs), axis=1), 1e-30) / QK_MAX
+    r = (gl.div_rn(qs, q_scale[:, None]) + _ROUND_MAGIC) - _ROUND_MAGIC
+    # shared memory, not registers: 16 registers held all loop long spilled the main loop
+    q_smem.store(gl.minimum(gl.maximum(r, -QK_MAX), QK_MAX).to(gl.int8))
+    fence_async_shared()
+    partition_barrier()  # the warpgroup's four warps wrote one operand
+    # max and clamp drop NaN: a row holding NaN/Inf gets a NaN coefficient, so its output is NaN (as SDPA's)
+    row_sum = gl.sum(qs, axis=1)
+    finite = (row_sum == row_sum) & (gl.abs(row_sum) < float("inf"))
+    q_coef = gl.where(finite, q_scale * score_coef, float("nan"))
+    return gl.convert_layout(q_coef, gl.SliceLayout(1, qk_layout))
+
+
+@gluon.jit
+def _tile_inputs(KS_bh, DS_bhq, tile, BLOCK_N: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, col: gl.constexpr):
+    """ΔS of the tile's keys and δK (a vector per token, or the tile's scalar): loaded while Q·Kᵀ runs."""
+    offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col)
+    ds = gl.load(DS_bhq + offs_n)
+    if K_TOKEN_SCALE:
+        k_scale = gl.load(KS_bh + offs_n)
+    else:
+        k_scale = gl.load(KS_bh + tile)  # the tile's one scale
+    return ds, k_scale
+
+
+@gluon.jit
+def _softmax(qk, q_coef, ds, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
+             BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
+             P_LOG2: gl.constexpr, qk_layout: gl.constexpr):
+    """One tile of the online softmax in base 2; P comes out at the FP8 scale (×448)."""
+    if K_TOKEN_SCALE:
+        s = qk.to(gl.float32) * (q_coef[:, None] * k_scale[None, :]) + ds[None, :]
+    else:
+        s = qk.to(gl.float32) * (q_coef * k_scale)[:, None] + ds[None, :]
+    # keys outside [kv_start, kv_end) and padding keys already hold ΔS = −inf (the K/V pass wrote it);
+    # only the causal diagonal is masked here, in the few tiles that cross it
+    start = tile * BLOCK_N
+    if CAUSAL:
+        if start + BLOCK_N > first_row + (NK - NQ) + 1:
+            offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+            offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))
+            s = gl.where(offs_n[None, :] <= offs_m[:, None] + (NK - NQ), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = gl.exp2(s - (m_use - P_LOG2)[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _p_operand(p, BM: gl.constexpr, BLOCK_N: gl.constexpr, p_layout: gl.constexpr):
+    """P (fp32, S accumulator layout) → FP8 A operand of P·V, keys relabelled within 32-key groups."""
+    p8 = gl.reshape(p.to(gl.float8e4nv), [BM, BLOCK_N // 32, 2, 2, 2, 2, 2])
+    p8 = gl.reshape(gl.permute(p8, [0, 1, 2, 4, 5, 3, 6]), [BM, BLOCK_N])
+    return gl.convert_layout(p8, p_layout, assert_trivial=True)
+
+
+@gluon.jit
+def attend(q_smem, q_coef, k_smem, v_smem, kv_ready, kv_empty, KS_bh, DS_bhq, end, first_row, row0, NQ,
+           NK, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr,
+           CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The main loop over key tiles [0, end): returns (O unnormalized, l, m)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row: gl.constexpr = gl.SliceLayout(1, qk_layout)
+    col: gl.constexpr = gl.SliceLayout(0, qk_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row)
+    l_i = gl.full([BM], 0.0, gl.float32, layout=row)
+    acc = gl.zeros([BM, D_PAD], gl.float32, layout=o_layout)
+    qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
+    if end > 0:
+        ds, k_scale = _tile_inputs(KS_bh, DS_bhq, 0, BLOCK_N, K_TOKEN_SCALE, col)
+        mbarrier.wait(kv_ready.index(0), 0)
+        qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, 0, first_row, row0,
+                                      NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, qk_layout)
+        # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
+        # into bytes by the lowering (about 200 extra instructions a tile).
+        for i in range(end - 1):
+            s = i % STAGES
+            s1 = (i + 1) % STAGES
+            p8 = _p_operand(p, BM, BLOCK_N, p_layout)
+            ds, k_scale = _tile_inputs(KS_bh, DS_bhq, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
+            mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
+            qk = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+            p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, i + 1, first_row, row0,
+                                          NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, qk_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        s = (end - 1) % STAGES
+        p8 = _p_operand(p, BM, BLOCK_N, p_layout)
+        acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(s), count=1)
+    return acc, l_i, m_i

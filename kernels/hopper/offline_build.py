@@ -1,0 +1,98 @@
+"""Compile the Hopper kernel for sm_90 on any machine (no GPU needed) and read what ptxas made of it.
+
+Used by the tests (every shipped configuration must hold the INT8 and FP8 wgmma and the TMA load,
+and spill nothing) and by ``eval/inspect_kernel.py --hopper``. The triton wheel ships ptxas and
+nvdisasm, so this runs on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+_P_LOG2_FP8 = 8.807354922057604  # log2(448)
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int = 3,
+                 return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16"):
+    """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .attention import attention_kernel
+    from .gluon_api import gl
+
+    d_pad = 64 if head_dim <= 64 else 128
+    block_n = 128
+
+    def descriptor(type_name, gl_type, shape):
+        layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
+        return f"tensordesc<{type_name}[{shape[0]}, {shape[1]}],{layout!r}>"
+
+    signature = {
+        "Q": f"*{dtype}", "k_desc": descriptor("i8", gl.int8, [block_n, d_pad]), "KS": "*fp32", "DS": "*fp32",
+        "vt_desc": descriptor("fp8e4nv", gl.float8e4nv, [d_pad, block_n]),
+        "Q_BAR": "*fp32", "K_BAR": "*fp32", "V_BAR": "*fp32", "V_SCALE": "*fp32",
+        "KV_END": "*i32", "O": f"*{dtype}", "LSE": "*fp32",
+        "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "stride_qd": "i32",
+        "stride_ob": "i32", "stride_oh": "i32", "stride_on": "i32", "stride_od": "i32",
+        "HQ": "i32", "GROUPS": "i32", "NQ": "i32", "NK": "i32", "NK_PAD": "i32", "NUM_TILES": "i32",
+        "score_coef": "fp32", "sm_scale": "fp32",
+    }
+    constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
+                  "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
+                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse}
+    for name in constexprs:
+        signature[name] = "constexpr"
+    names = attention_kernel.arg_names
+    source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def resources(kernel) -> dict:
+    """Registers, spill bytes, stack frame and C7508-style warnings from ptxas -v for sm_90a."""
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    return {"regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill (?:stores|loads)", log))),
+            "stack": int(m.group(1)) if (m := re.search(r"(\d+) bytes stack frame", log)) else 0,
+            "warnings": [line.strip() for line in log.splitlines() if "arning" in line],
+            "shared": kernel.metadata.shared}
+
+
+def sass(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+
+
+def opcode_counts(kernel) -> collections.Counter:
+    """How often each SASS opcode (without modifiers) appears."""
+    return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)",
+                                          sass(kernel), flags=re.M))
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    k = compile_sm90(**args)
+    ops = opcode_counts(k)
+    print(json.dumps({**resources(k), **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "MUFU", "LDL", "STL",
+                                                               "SHFL", "I2F", "F2FP", "PRMT") if ops[op]}}))
