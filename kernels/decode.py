@@ -1,0 +1,239 @@
+"""Kernels of the quantized KV cache: appending new tokens, and flash-decoding against the cache.
+
+Storage of one cache layer (B batch, Hk key/value heads, CAP token slots, D head dim):
+
+    kq   int8 (B, Hk, CAP, D)        INT8 K − k̄ over its per-token scale (±127), or
+         int8 (B, Hk, CAP, D_PAD/2)  INT4 (±7) packed two a byte: channel c in the low nibble,
+                                     channel c + D_PAD/2 in the high nibble (zeros past D)
+    ks   fp32 (B, Hk, CAP)           δK per token
+    vq   fp8 e4m3 (B, Hk, CAP, D)    (V − v̄) / δV
+    vs   fp32 (B, Hk, CAP)           δV per token (max |V − v̄| of the token over 448)
+    k̄, v̄ fp32 (B·Hk, D)              centers, fixed when the layer is first filled
+
+``append_kernel`` quantizes new tokens (any layout, by strides) into slots [pos0, pos0 + N).
+Each token is quantized once, there, and never again.
+
+``decode_kernel`` — one program per (query chunk, batch·kv-head, split of the cached tokens).
+The tile's rows are all query heads of one KV group times QT query tokens (GQA packing: the
+group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens:
+
+    S = (q · K̂ᵀ) · δK · sm_scale·log2 e       K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
+    online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
+    O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
+
+Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
+query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i). With one
+split the program normalizes and writes O + v̄; with several it writes (acc, m, l) and
+``combine_kernel`` merges the splits by their log-sum-exp.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import SCALE_FLOOR, quantize_symmetric, to_fp8_e4m3
+
+
+@triton.jit
+def append_kernel(
+    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, pos0,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_qb, stride_qh, stride_qn,
+    stride_sb, stride_sh,
+    stride_wb, stride_wh, stride_wn,
+    HK, N,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, INT4: tl.constexpr,
+    GRID_ROUND: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)  # b·Hk + hk
+    b = (bh // HK).to(tl.int64)
+    hk = bh % HK
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    slots = pos0 + rows
+    k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
+    q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
+    s_off = b * stride_sb + hk * stride_sh + slots
+
+    # --- K: subtract the fixed center, one scale per token, round to the integer grid
+    if INT4:
+        HALF: tl.constexpr = D_PAD // 2
+        c = tl.arange(0, HALF)
+        lo_ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+        hi_ok = row_ok[:, None] & ((c + HALF) < HEAD_DIM)[None, :]
+        k_lo = tl.load(k_base + c[None, :] * stride_kd, mask=lo_ok, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_base + (c + HALF)[None, :] * stride_kd, mask=hi_ok, other=0.0).to(tl.float32)
+        k_lo = tl.where(lo_ok, k_lo - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
+        k_hi = tl.where(hi_ok, k_hi - tl.load(K_BAR + bh * HEAD_DIM + c + HALF, mask=(c + HALF) < HEAD_DIM,
+                                              other=0.0)[None, :], 0.0)
+        amax = tl.maximum(tl.max(tl.abs(k_lo), axis=1), tl.max(tl.abs(k_hi), axis=1))
+        k_scale = tl.maximum(amax, SCALE_FLOOR) / 7.0
+        lo = quantize_symmetric(k_lo, k_scale[:, None], 7.0)
+        hi = quantize_symmetric(k_hi, k_scale[:, None], 7.0)
+        packed = (lo & 15) | (hi << 4)
+        tl.store(q_base + c[None, :], packed, mask=row_ok[:, None])
+    else:
+        c = tl.arange(0, D_PAD)
+        ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+        k = tl.load(k_base + c[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
+        k = tl.where(ok, k - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
+        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0
+        tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0), mask=ok)
+    tl.store(KS + s_off, k_scale, mask=row_ok)
+
+    # --- V: subtract the fixed center, one scale per token, FP8 E4M3
+    c = tl.arange(0, D_PAD)
+    ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+    v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + c[None, :] * stride_vd,
+                mask=ok, other=0.0).to(tl.float32)
+    v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
+    v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / 448.0
+    vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[:, None]), GRID_ROUND)
+    tl.store(VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn + c[None, :], vq, mask=ok)
+    tl.store(VS + s_off, v_scale, mask=row_ok)
+
+
+@triton.jit
+def decode_kernel(
+    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn,
+    stride_sb, stride_sh,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_on, stride_oh, stride_od,
+    HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef,
+    GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)  # b·Hk + hk
+    split = tl.program_id(2)
+    score_coef = tl.cast(score_coef, tl.float32)
+    b = (bh // HK).to(tl.int64)
+    hk = bh % HK
+    r = tl.arange(0, BLOCK_M)
+    qi = chunk * QT + r // GROUPS  # query token of each row
+    head = hk * GROUPS + r % GROUPS  # query head of each row
+    row_ok = (r < QT * GROUPS) & (qi < NQ)
+
+    # --- the group's queries, in their own dtype (K̂ converts to it exactly)
+    q_rows = Q + b * stride_qb + head[:, None] * stride_qh + qi[:, None] * stride_qn
+    if INT4:
+        HALF: tl.constexpr = D_PAD // 2
+        c = tl.arange(0, HALF)
+        q_lo = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
+        q_hi = tl.load(q_rows + (c + HALF)[None, :] * stride_qd,
+                       mask=row_ok[:, None] & ((c + HALF) < HEAD_DIM)[None, :], other=0.0)
+    else:
+        c = tl.arange(0, D_PAD)
+        q = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+
+    # --- this split's keys: [lo, hi) ∩ [kv_lo, kv_hi) ∩ causal
+    kv_lo = 0
+    kv_hi = NK
+    if HAS_KV_RANGE:
+        kv_lo = tl.load(KV_START + b).to(tl.int32)
+        kv_hi = tl.minimum(tl.load(KV_END + b).to(tl.int32), NK)
+    diag = NK - NQ  # query i sees keys ≤ diag + i
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, kv_hi)
+    if CAUSAL:
+        last_q = tl.minimum(chunk * QT + QT, NQ) - 1
+        hi = tl.minimum(hi, diag + last_q + 1)
+    lo = tl.maximum(lo, kv_lo // BLOCK_N * BLOCK_N)
+
+    k_base = KQ + b * stride_kb + hk * stride_kh
+    s_base = b * stride_sb + hk * stride_sh
+    v_base = VQ + b * stride_vb + hk * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if INT4:
+            packed = tl.load(k_base + offs_n[:, None] * stride_kn + c[None, :], mask=n_ok[:, None], other=0)
+            k_lo = (packed << 4).to(tl.int8) >> 4  # sign-extends the low nibble
+            k_hi = packed >> 4
+            if INTERPRET:  # the interpreter's bf16 dot and int8 → bf16 cast are wrong (3.9); fp32 is exact
+                qk = (tl.dot(q_lo.to(tl.float32), tl.trans(k_lo.to(tl.float32)))
+                      + tl.dot(q_hi.to(tl.float32), tl.trans(k_hi.to(tl.float32))))
+            else:
+                qk = (tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)))
+                      + tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype))))
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + c[None, :],
+                        mask=n_ok[:, None] & (c < HEAD_DIM)[None, :], other=0)
+            if INTERPRET:
+                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            else:
+                qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+        k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
+        s = qk * (k_scale * score_coef)[None, :]
+        visible = (n_ok & (offs_n >= kv_lo))[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= (diag + qi)[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        p_w = (p * v_scale[None, :]).to(tl.bfloat16)
+        if INTERPRET:
+            pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p_w, v.to(tl.bfloat16))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SPLIT:
+        part = ((b * HK * GROUPS + head) * NQ + qi) * NUM_SPLITS + split
+        tl.store(PART_O + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(PART_M + part, m_i, mask=row_ok)
+        tl.store(PART_L + part, l_i, mask=row_ok)
+    else:
+        v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        seen = l_i > 0.0
+        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :], 0.0)
+        tl.store(O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    PART_O, PART_M, PART_L, V_BAR, O,
+    stride_ob, stride_on, stride_oh, stride_od,
+    HQ, NQ, NUM_SPLITS,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (batch·query head, query token): merge the splits by their log-sum-exp."""
+    pid = tl.program_id(0)  # (b·Hq + h)·NQ + i
+    qi = pid % NQ
+    bhq = pid // NQ
+    b = (bhq // HQ).to(tl.int64)
+    h = bhq % HQ
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    base = pid.to(tl.int64) * NUM_SPLITS
+    m = tl.load(PART_M + base + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(PART_L + base + s, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_use)
+    total = tl.sum(w * l, axis=0)
+    acc = tl.load(PART_O + (base + s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    merged = tl.sum(acc * w[:, None], axis=0)
+    v_bar = tl.load(V_BAR + (b * (HQ // GROUPS) + h // GROUPS) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+    out = tl.where(total > 0.0, merged / tl.where(total > 0.0, total, 1.0) + v_bar, 0.0)
+    tl.store(O + b * stride_ob + qi * stride_on + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty),
+             mask=d_ok)

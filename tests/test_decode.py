@@ -1,0 +1,185 @@
+"""The quantized-cache kernels (kernels/decode.py) against float64 references.
+
+Two yardsticks per case:
+- attention in float64 over the very same quantized storage (``cache_math.decode_attention``):
+  the kernel may differ only by its bf16 rounding of P·δV and the output dtype's rounding;
+- exact float64 attention over the unquantized K/V: the quantization error of the cache format.
+Mutated copies of the kernel (diagonal moved, v̄ dropped, splits merged without their weights)
+must fail the first check — that is what makes its tolerance meaningful.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from hf_qattn import cache_math, reference  # noqa: E402
+from hf_qattn.kernels import decode, decode_launch, tuning  # noqa: E402
+from hf_qattn.metrics import accuracy  # noqa: E402
+
+if not (torch.cuda.is_available() or tuning.interpreting()):
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def outlier_kv(b, hk, n, d):
+    """K with large per-channel offsets (what smoothing is for), V with milder ones."""
+    k = torch.randn(b, hk, n, d) + 6.0 * torch.randn(1, hk, 1, d)
+    v = torch.randn(b, hk, n, d) + 1.5 * torch.randn(1, hk, 1, d)
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+def fill(k, v, precision, capacity=None):
+    """Storage buffers (slack past the tokens, as in a growing cache) filled by the append kernel."""
+    b, hk, n, d = k.shape
+    cap = capacity or n + 5
+    width = decode_launch.packed_width(d, precision == "int4")
+    k_bar, v_bar = cache_math.centers(k, v)
+    kq = torch.full((b, hk, cap, width), 99, dtype=torch.int8, device=DEVICE)  # garbage past the tokens
+    ks = torch.full((b, hk, cap), 1e6, device=DEVICE)
+    vq = torch.full((b, hk, cap, d), 448.0, device=DEVICE).to(torch.float8_e4m3fn)
+    vs = torch.full((b, hk, cap), 1e6, device=DEVICE)
+    decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=precision == "int4")
+    return dict(kq=kq, ks=ks, vq=vq, vs=vs, k_bar=k_bar, v_bar=v_bar)
+
+
+def mismatch(out, ref) -> str | None:
+    """Why the kernel's output is not the float64 result over the same storage, or None."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return "non-finite output"
+    scale = ref.abs().max().clamp_min(1e-6)
+    tol = (3e-3 + 2 * torch.finfo(torch.float16 if out.dtype == torch.float32 else torch.bfloat16).eps) * scale
+    diff = (out - ref).abs().max()
+    if diff > tol:
+        return f"max |kernel − reference| = {diff:.4g} > {tol:.4g}"
+    return None
+
+
+# (b, hq, hk, nq, nk, d, dtype, precision, kv range, splits) — nk never a multiple of the 16-token tile
+CASES = [
+    (2, 4, 4, 1, 37, 64, torch.bfloat16, "int8", False, None),   # MHA, one query
+    (1, 8, 2, 1, 70, 64, torch.float16, "int4", False, 3),       # GQA 4, INT4
+    (2, 8, 1, 1, 45, 32, torch.bfloat16, "int8", True, None),    # MQA 8, left padding
+    (1, 8, 1, 4, 53, 64, torch.float16, "int8", False, 1),       # GQA 8, q_len 4, one split
+    (2, 4, 1, 7, 61, 40, torch.float32, "int4", True, None),     # head dim padded, ranges, INT4
+    (1, 4, 1, 16, 33, 32, torch.bfloat16, "int8", False, 2),     # q_len 16: several query chunks
+    (2, 6, 2, 3, 90, 64, torch.bfloat16, "int4", True, 4),       # GQA 3, several splits
+    (1, 2, 2, 2, 19, 128, torch.float16, "int8", False, None),   # d128
+    (1, 16, 2, 11, 29, 32, torch.bfloat16, "int4", False, 2),    # GQA 8 · q_len 11 → query chunks
+]
+
+
+def _id(case):
+    b, hq, hk, nq, nk, d, dtype, prec, rng, splits = case
+    return f"b{b}-hq{hq}-hk{hk}-nq{nq}-nk{nk}-d{d}-{str(dtype)[6:]}-{prec}{'-range' if rng else ''}-s{splits}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_decode_matches_float64(seed, case):
+    b, hq, hk, nq, nk, d, dtype, precision, ranged, splits = case
+    k, v = outlier_kv(b, hk, nk, d)
+    q = (torch.randn(b, hq, nq, d) + 2.0 * torch.randn(1, hq, 1, d)).to(DEVICE, dtype)
+    st = fill(k, v, precision)
+    kv_start = kv_end = None
+    if ranged:  # left padding of a random length per sequence, and a shortened end for one of them
+        kv_start = torch.randint(0, nk // 2, (b,), device=DEVICE)
+        kv_end = torch.full((b,), nk, device=DEVICE)
+        kv_end[-1] = nk - 3
+    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=precision == "int4",
+                               causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits)
+    assert out.shape == (b, nq, hq, d) and out.dtype == dtype
+    ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk,
+                                      precision=precision, causal=True, kv_start=kv_start, kv_end=kv_end)
+    assert mismatch(out, ref) is None, mismatch(out, ref)
+    # against exact attention on the unquantized K/V: the error of the cache format itself
+    exact = reference.exact_attention(q, k.to(dtype), v.to(dtype), is_causal=nq > 1, kv_start=kv_start,
+                                      kv_end=kv_end).transpose(1, 2)
+    rel = accuracy(out, exact).rel_l1
+    assert rel < (0.03 if precision == "int8" else 0.2), rel
+
+
+def test_rows_without_keys_are_zero(seed):
+    """A causal query chunk longer than the sequence's visible keys: rows that see nothing are zeros, not NaN."""
+    k, v = outlier_kv(1, 2, 20, 32)
+    st = fill(k, v, "int8")
+    q = torch.randn(1, 4, 6, 32, device=DEVICE)
+    kv_start = torch.tensor([17], device=DEVICE)  # query i sees keys [17, 14 + i]: the first three rows see none
+    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 20, int4=False,
+                               kv_start=kv_start, num_splits=2)
+    assert torch.isfinite(out).all()
+    assert (out[:, :3] == 0).all() and (out[:, 3:].abs().sum(-1) > 0).all()
+    ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 20,
+                                      precision="int8", kv_start=kv_start)
+    assert mismatch(out, ref) is None, mismatch(out, ref)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_append_matches_reference_and_appends_in_place(seed, precision):
+    """Appending in two pieces with the centers of the first equals quantizing everything at once."""
+    k, v = outlier_kv(2, 3, 41, 48)
+    st = fill(k[:, :, :30], v[:, :, :30], precision, capacity=50)
+    decode_launch.append(k[:, :, 30:], v[:, :, 30:], st["k_bar"], st["v_bar"], st["kq"], st["ks"], st["vq"],
+                         st["vs"], 30, int4=precision == "int4")
+    kq, ks, vq, vs = cache_math.quantize_tokens(k, v, st["k_bar"], st["v_bar"], precision)
+    assert torch.equal(st["kq"][:, :, :41], kq)
+    torch.testing.assert_close(st["ks"][:, :, :41], ks, rtol=1e-6, atol=0)
+    torch.testing.assert_close(st["vs"][:, :, :41], vs, rtol=1e-6, atol=0)
+    assert (st["vq"][:, :, :41].float() - vq.float()).abs().max() <= 16.0  # ≤ one FP8 step at the top (448)
+    assert (st["vq"][:, :, :41].float() != vq.float()).float().mean() < 1e-3
+    assert (st["kq"][:, :, 41:] == 99).all()  # slots past the tokens untouched
+    # the storage decodes back to the inputs within the format's resolution
+    back = cache_math.dequantize_k(st["kq"][:, :, :41], st["ks"][:, :, :41], 48, precision) + st["k_bar"][:, :, None]
+    step = st["ks"][:, :, :41, None]
+    assert ((back - k).abs() <= 0.5 * step * 1.0001 + 1e-6).all()
+
+
+# --- mutants: the check above must catch a broken kernel -------------------------------------------
+MUTATIONS = {
+    "causal diagonal top-left": ("diag = NK - NQ", "diag = NK * 0"),
+    "v̄ dropped": ("acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :]", "acc / tl.where(seen, l_i, 1.0)[:, None]"),
+    "splits merged unweighted": ("w = tl.math.exp2(m - m_use)", "w = tl.where(s_ok, 1.0, 0.0)"),
+    "int4 high nibble unsigned": ("k_hi = packed >> 4", "k_hi = (packed >> 4) & 15"),
+}
+
+
+def _mutant_module(tmp_path, old, new):
+    source = inspect.getsource(decode)
+    assert source.count(old) == 1, old
+    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
+    path = tmp_path / f"decode_mutant_{abs(hash(new))}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
+    k, v = outlier_kv(1, 2, 45, 32)
+    q = torch.randn(1, 4, 5, 32, device=DEVICE, dtype=torch.float16)
+    precision = "int4" if "int4" in name else "int8"
+    st = fill(k, v, precision)
+    splits = 3 if "splits" in name else 1
+
+    def run():
+        out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
+                                   int4=precision == "int4", num_splits=splits)
+        ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
+                                          precision=precision)
+        return mismatch(out, ref)
+
+    assert run() is None
+    mutant = _mutant_module(tmp_path, *MUTATIONS[name])
+    monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
+    monkeypatch.setattr(decode_launch, "combine_kernel", mutant.combine_kernel)
+    assert run() is not None, f"the mutant '{name}' passed the check"
