@@ -39,4 +39,8 @@ def __getattr__(name):
         from importlib import import_module
 
         return getattr(import_module(".integrations.diffusers", __name__), name)
+    if name == "QAttnCache":  # a transformers Cache: imports transformers, so only on first use
+        from .cache import QAttnCache
+
+        return QAttnCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import api, stats, support
+from ... import api, cache_hook, stats, support
 from ...masks import visible_keys
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
 from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
@@ -336,6 +336,11 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         # the mask analysis reads tensor values and the kernels are launched by their own code.
         return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, is_causal=is_causal, **kwargs)
+    if cache_hook.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
+        pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+        if reason is None:
+            return cache_hook.packed_attention(query, key, pattern, scaling), None
+        key, value = cache_hook.dequantize(key), cache_hook.dequantize(value)  # the paths below serve the rest
     observer = _calibrator.get()
     if observer is not None:
         out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -1,0 +1,255 @@
+"""QAttnCache: a transformers KV cache stored quantized, read directly by the decode kernel.
+
+    cache = hf_qattn.QAttnCache(model)                      # model loaded with attn_implementation="qattn"
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    cache.nbytes(), cache.nbytes(per_layer=True)            # bytes held (scales and centers included)
+
+Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or in INT4 packed two a
+byte where the model's plan (``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, and
+V − v̄ in FP8 E4M3 with one scale per token. k̄, v̄ are per-(batch, head, channel) centers fixed
+at the first fill. Every token is quantized once, when it is appended (``kernels/decode.py``).
+Layers the plan marks ``fp16`` keep transformers' full-precision ``DynamicLayer``; sliding-window
+and other special layer types keep transformers' own layer class (not quantized).
+
+What a layer's ``update`` returns:
+
+- on the first fill (the prefill), the unquantized key/value states themselves, so the prefill
+  attention is exactly what it is with a DynamicCache (the qattn prefill kernel quantizes them in
+  its own tile format; sharing one quantization pass with the cache is not done yet);
+- afterwards, :class:`PackedKV` handles: tensors with the shape (B, Hk, L, D) of the whole cache
+  and no data. ``attn_implementation="qattn"`` recognises them (:func:`is_packed`) and runs
+  :func:`packed_attention` on the quantized storage; any other attention implementation that
+  touches them gets a :class:`QAttnCacheError` saying what to do.
+
+``static_max_len`` preallocates every layer's storage for that many tokens (no reallocation while
+generating; exceeding it raises). CUDA-graph capture of decoding also needs the token count read
+from device memory by the kernel, which is not done yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cache_math
+from .cache_hook import PackedKV, QAttnCacheError, _kernels_available, is_packed  # noqa: F401
+from .plan import PLAN_CONFIG_KEY, PLAN_VERSION, QAttnPlan
+
+try:
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # transformers < 5: the cache is unavailable, the rest of hf_qattn still imports
+    Cache = CacheLayerMixin = object
+    DynamicLayer = DYNAMIC_LAYER_TYPE_MAPPING = get_layer_types_and_kwargs = None
+
+CENTER_SAMPLE = 256
+_MIN_CAPACITY = 256
+
+
+class QAttnLayer(CacheLayerMixin):
+    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V, per-token scales, fixed centers."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, precision: str = "int8", max_len: int | None = None, center_sample: int | None = CENTER_SAMPLE):
+        super().__init__()
+        if precision not in ("int8", "int4"):
+            raise ValueError(f"precision must be 'int8' or 'int4' for a quantized layer; got {precision!r}")
+        self.precision = precision
+        self.max_len = max_len
+        self.center_sample = center_sample
+        self.length = 0
+        self.capacity = 0
+        self.kq = self.ks = self.vq = self.vs = self.k_bar = self.v_bar = None
+
+    def __repr__(self):
+        return f"QAttnLayer({self.precision}, tokens={self.length})"
+
+    # -- storage ----------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
+        if value_states.shape[-1] != self.head_dim:
+            raise QAttnCacheError("QAttnCache needs the same head dim for keys and values")
+        if self.precision == "int4" and self.head_dim > 256:
+            raise QAttnCacheError("QAttnCache supports head dims up to 256")
+        if self.max_len is not None:
+            self._allocate(self.max_len)
+        self.is_initialized = True
+
+    def _allocate(self, capacity: int) -> None:
+        b, h, d, dev = self.batch_size, self.num_heads, self.head_dim, self.device
+        width = cache_math.padded_head_dim(d) // 2 if self.precision == "int4" else d
+        old = (self.kq, self.ks, self.vq, self.vs)
+        self.kq = torch.zeros(b, h, capacity, width, device=dev, dtype=torch.int8)
+        self.ks = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
+        self.vq = torch.zeros(b, h, capacity, d, device=dev, dtype=torch.float8_e4m3fn)
+        self.vs = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
+        if old[0] is not None and self.length:
+            for new, prev in zip((self.kq, self.ks, self.vq, self.vs), old):
+                new[:, :, : self.length].copy_(prev[:, :, : self.length])
+        self.capacity = capacity
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        if self.max_len is not None:
+            raise QAttnCacheError(f"QAttnCache(static_max_len={self.max_len}) is full: {needed} tokens asked for")
+        capacity = max(needed, 2 * self.capacity, _MIN_CAPACITY)
+        self._allocate(-(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        n = key_states.shape[-2]
+        if self.k_bar is None:  # the first fill fixes the centers
+            self.k_bar, self.v_bar = cache_math.centers(key_states, value_states, self.center_sample)
+        self._reserve(self.length + n)
+        pos = self.length
+        if _kernels_available(self.device):
+            from .kernels import decode_launch
+
+            decode_launch.append(key_states, value_states, self.k_bar, self.v_bar, self.kq, self.ks, self.vq,
+                                 self.vs, pos, int4=self.precision == "int4")
+        else:
+            kq, ks, vq, vs = cache_math.quantize_tokens(key_states, value_states, self.k_bar, self.v_bar,
+                                                        self.precision)
+            self.kq[:, :, pos: pos + n] = kq
+            self.ks[:, :, pos: pos + n] = ks
+            self.vq[:, :, pos: pos + n] = vq
+            self.vs[:, :, pos: pos + n] = vs
+        self.length += n
+
+    # -- CacheLayerMixin ------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        first = self.length == 0
+        self._append(key_states, value_states)
+        if first:
+            return key_states, value_states
+        return PackedKV(self, "keys"), PackedKV(self, "values")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_len if self.max_len is not None else -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.k_bar = self.v_bar = None
+        if self.max_len is None:
+            self.kq = self.ks = self.vq = self.vs = None
+            self.capacity = 0
+            self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def _select(self, index: torch.Tensor) -> None:
+        if self.kq is None:
+            return
+        index = index.to(self.device)
+        for name in ("kq", "ks", "vq", "vs", "k_bar", "v_bar"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, index).contiguous())
+        self.batch_size = self.kq.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.kq is not None:
+            self._select(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    def offload(self):
+        raise QAttnCacheError("QAttnCache does not support offloading")
+
+    def prefetch(self):
+        pass
+
+    # -- reading ------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held for the cached tokens: quantized K and V, their scales, the centers."""
+        if self.kq is None:
+            return 0
+        per_token = self.kq.shape[-1] + self.vq.shape[-1] + 4 + 4  # K bytes, V bytes, δK, δV
+        centers = 2 * self.k_bar.numel() * 4 if self.k_bar is not None else 0
+        return self.batch_size * self.num_heads * self.length * per_token + centers
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
+        n = self.length
+        k = cache_math.dequantize_k(self.kq[:, :, :n], self.ks[:, :, :n], self.head_dim, self.precision)
+        v = cache_math.dequantize_v(self.vq[:, :, :n], self.vs[:, :, :n])
+        return (k + self.k_bar[:, :, None]).to(self.dtype), (v + self.v_bar[:, :, None]).to(self.dtype)
+
+
+def _layer_nbytes(layer) -> int:
+    if isinstance(layer, QAttnLayer):
+        return layer.nbytes()
+    total = 0
+    for name in ("keys", "values"):
+        t = getattr(layer, name, None)
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _plan_of(config, plan, num_layers: int) -> QAttnPlan | None:
+    if plan is None:
+        data = getattr(config, PLAN_CONFIG_KEY, None)
+        return None if data is None else QAttnPlan.from_dict(data, num_layers=num_layers)
+    if isinstance(plan, str):  # one precision for every layer
+        return QAttnPlan.from_dict({"version": PLAN_VERSION, "default": plan}, num_layers=num_layers)
+    return QAttnPlan.from_dict(plan, num_layers=num_layers)
+
+
+class QAttnCache(Cache):
+    """A transformers ``Cache`` whose full-attention layers are stored quantized (see the module docstring).
+
+    Args:
+        model_or_config: the model (or its config); the layer count, layer types and the plan come from it.
+        plan: a :class:`QAttnPlan`, a plan dict, or one precision for every layer (``"int8"``, ``"int4"``,
+            or the unquantized one, which keeps transformers' DynamicLayer). Default:
+            ``config.qattn_plan`` when present, else ``"int8"`` everywhere.
+        static_max_len: preallocate storage for this many tokens per layer (no reallocation).
+        center_sample: tokens sampled for the centers k̄, v̄ (None: all tokens of the first fill).
+    """
+
+    def __init__(self, model_or_config, plan=None, static_max_len: int | None = None,
+                 center_sample: int | None = CENTER_SAMPLE):
+        if get_layer_types_and_kwargs is None:
+            raise ImportError("hf_qattn.QAttnCache needs transformers >= 5.0")
+        config = getattr(model_or_config, "config", model_or_config)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        self.plan = _plan_of(text, plan, len(layer_types))
+        layers = []
+        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            precision = self.plan.precision(index) if self.plan is not None else "int8"
+            if kind == "full_attention" and precision in ("int8", "int4"):
+                layers.append(QAttnLayer(precision, static_max_len, center_sample))
+            elif kind == "full_attention":
+                layers.append(DynamicLayer())
+            else:  # sliding windows, chunked attention, linear attention...: transformers' own layer
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+        super().__init__(layers=layers)
+
+    def precisions(self) -> list[str]:
+        """Storage of each layer: "int8", "int4", or the name of the unquantized layer class."""
+        return [layer.precision if isinstance(layer, QAttnLayer) else type(layer).__name__ for layer in self.layers]
+
+    def nbytes(self, per_layer: bool = False):
+        """Bytes the cache holds (scales and centers included): the total, or a list per layer."""
+        sizes = [_layer_nbytes(layer) for layer in self.layers]
+        return sizes if per_layer else sum(sizes)

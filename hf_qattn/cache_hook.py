@@ -1,0 +1,98 @@
+"""The part of :mod:`hf_qattn.cache` that the attention function needs, importable without transformers.
+
+``is_packed(key)`` tells the qattn attention function that ``key`` is a QAttnCache layer's
+:class:`PackedKV` handle; ``packed_attention`` then runs the decode kernel on the layer's quantized
+storage (or its PyTorch reference on a CPU without the Triton interpreter), and ``dequantize``
+rebuilds full-precision K/V for the rare call the kernel cannot serve (gradients, dropout, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import cache_math, stats
+
+
+class QAttnCacheError(RuntimeError):
+    """The quantized cache was used in a way it cannot serve (wrong attention implementation, overflow, ...)."""
+
+
+def _use_kernels(device: torch.device) -> bool:
+    from .kernels import tuning  # needs triton
+
+    return device.type == "cuda" or tuning.interpreting()
+
+
+def _kernels_available(device: torch.device) -> bool:
+    try:
+        return _use_kernels(device)
+    except ImportError:
+        return False
+
+
+class PackedKV(torch.Tensor):
+    """Stand-in for a layer's whole K or V: shape, dtype and device only; the data is in ``layer``.
+
+    Any tensor operation on it raises :class:`QAttnCacheError`: only the qattn attention function
+    can read the quantized storage.
+    """
+
+    layer: object  # hf_qattn.cache.QAttnLayer
+
+    @staticmethod
+    def __new__(cls, layer, which: str):
+        shape = (layer.batch_size, layer.num_heads, layer.length, layer.head_dim)
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=layer.dtype, device=layer.device,
+                                                requires_grad=False)
+        t.layer = layer
+        t.which = which
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise QAttnCacheError(
+            f"hf_qattn.QAttnCache stores K/V quantized and only attn_implementation='qattn' can read it "
+            f"(an attention implementation ran {func} on the cache). Load the model with "
+            "attn_implementation='qattn' (or model.set_attn_implementation('qattn')), or use a DynamicCache.")
+
+    def __repr__(self):
+        return f"PackedKV({self.which}, shape={tuple(self.shape)}, precision={self.layer.precision})"
+
+
+def is_packed(t) -> bool:
+    """True when an attention function received a QAttnCache layer's packed K/V instead of tensors."""
+    return isinstance(t, PackedKV)
+
+
+def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None) -> torch.Tensor:
+    """Attention of query (B, Hq, Nq, D) over the quantized layer behind ``key``: (B, Nq, Hq, D).
+
+    ``pattern`` is the integration's reading of the mask (``causal``, ``kv_len``, ``kv_start``, ``kv_end``).
+    """
+    layer = key.layer
+    if query.shape[1] % layer.num_heads:
+        raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {layer.num_heads} cached heads")
+    nk = min(int(pattern.kv_len), layer.length)
+    if _kernels_available(query.device):
+        from .kernels import decode_launch
+
+        stats.record_call("triton")
+        with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
+            return decode_launch.decode(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
+                                        int4=layer.precision == "int4", sm_scale=scaling, causal=pattern.causal,
+                                        kv_start=pattern.kv_start, kv_end=pattern.kv_end)
+    stats.record_call("reference")
+    return cache_math.decode_attention(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
+                                       precision=layer.precision, sm_scale=scaling, causal=pattern.causal,
+                                       kv_start=pattern.kv_start, kv_end=pattern.kv_end, dtype=torch.float32)
+
+
+def dequantize(t: PackedKV) -> torch.Tensor:
+    """The full-precision K or V rebuilt from the storage, for calls the decode kernel cannot serve."""
+    k, v = t.layer.dequantized()
+    return k if t.which == "keys" else v
+

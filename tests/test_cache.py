@@ -1,0 +1,244 @@
+"""hf_qattn.QAttnCache: storage, memory accounting, the packed hand-over, and generation with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_qattn  # noqa: E402
+from hf_qattn import cache as qcache  # noqa: E402
+from hf_qattn import cache_math  # noqa: E402
+from hf_qattn.plan import PRECISIONS, QAttnPlan  # noqa: E402
+
+UNQUANTIZED = PRECISIONS[-1]  # the plan's name for "leave this layer in full precision"
+
+
+def llama_config(layers=3, **overrides):
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, vocab_size=128,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def test_layers_follow_the_plan():
+    plan = QAttnPlan(default="int4", layers={1: "int8", 2: UNQUANTIZED}, num_layers=3).to_dict()
+    cache = hf_qattn.QAttnCache(llama_config(qattn_plan=plan))
+    assert cache.precisions() == ["int4", "int8", "DynamicLayer"]
+    assert hf_qattn.QAttnCache(llama_config()).precisions() == ["int8"] * 3  # no plan: INT8 everywhere
+    assert hf_qattn.QAttnCache(llama_config(), plan="int4").precisions() == ["int4"] * 3
+    with pytest.raises(ValueError):  # PlanError
+        hf_qattn.QAttnCache(llama_config(), plan="int3")
+
+
+def _states(b, h, n, d, dtype=torch.float32):
+    k = torch.randn(b, h, n, d) + 4.0 * torch.randn(1, h, 1, d)
+    v = torch.randn(b, h, n, d) + torch.randn(1, h, 1, d)
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
+    """Prefill returns the exact states; later steps return packed handles; the storage equals
+    quantizing all tokens at once with the centers of the first fill — through growth of the buffers."""
+    layer = qcache.QAttnLayer(precision)
+    k, v = _states(2, 2, 300, 32)
+    pieces = [(0, 200), (200, 201), (201, 205), (205, 300)]  # crosses the initial capacity of 256
+    for i, (a, b) in enumerate(pieces):
+        keys, values = layer.update(k[:, :, a:b], v[:, :, a:b])
+        if i == 0:
+            assert keys is not None and torch.equal(keys, k[:, :, :200])
+        else:
+            assert qcache.is_packed(keys) and qcache.is_packed(values)
+            assert keys.shape == (2, 2, b, 32) and keys.dtype == k.dtype
+    assert layer.get_seq_length() == 300 and layer.get_mask_sizes(1) == (301, 0)
+    k_bar, v_bar = cache_math.centers(k[:, :, :200], v[:, :, :200])
+    torch.testing.assert_close(layer.k_bar, k_bar)
+    kq, ks, vq, vs = cache_math.quantize_tokens(k, v, k_bar, v_bar, precision)
+    assert torch.equal(layer.kq[:, :, :300], kq)
+    torch.testing.assert_close(layer.ks[:, :, :300], ks, rtol=1e-6, atol=0)
+    assert (layer.vq[:, :, :300].float() != vq.float()).float().mean() < 1e-3
+    # the dequantized fallback rebuilds K and V to the format's resolution
+    kd, vd = layer.dequantized()
+    assert ((kd - k).abs() <= 0.5 * ks[..., None] * 1.001 + 1e-5).all()
+    assert ((vd - v).abs() <= (v - v_bar[:, :, None]).abs() / 16 + 1e-5).all()  # E4M3: 3 mantissa bits
+
+
+def test_nbytes_and_the_memory_targets():
+    """Bytes per token: INT8 K + FP8 V + two fp32 scales; INT4 halves K. Against a bf16 cache (d128)."""
+    b, h, n, d = 1, 2, 40, 128
+    k, v = _states(b, h, n, d, torch.bfloat16)
+    cache = hf_qattn.QAttnCache(llama_config(layers=2, head_dim=d, hidden_size=256, num_attention_heads=2),
+                                plan=QAttnPlan(default="int8", layers={1: "int4"}, num_layers=2))
+    for index in range(2):
+        cache.update(k, v, index)
+    per_layer = cache.nbytes(per_layer=True)
+    centers = 2 * b * h * d * 4
+    assert per_layer == [b * h * n * (d + d + 8) + centers, b * h * n * (d // 2 + d + 8) + centers]
+    assert cache.nbytes() == sum(per_layer)
+    bf16 = b * h * n * d * 2 * 2
+    assert (per_layer[0] - centers) / bf16 <= 0.55 and (per_layer[1] - centers) / bf16 <= 0.42
+    dynamic = hf_qattn.QAttnCache(llama_config(layers=1, head_dim=d, hidden_size=256, num_attention_heads=2),
+                                  plan=UNQUANTIZED)
+    dynamic.update(k, v, 0)
+    assert dynamic.nbytes() == bf16
+
+
+def test_static_storage_is_preallocated_and_bounded(seed):
+    layer = qcache.QAttnLayer("int8", max_len=24)
+    k, v = _states(1, 2, 20, 16)
+    layer.update(k, v)
+    buffer = layer.kq
+    assert layer.capacity == 24 and layer.get_max_length() == 24
+    layer.update(k[:, :, :4], v[:, :, :4])
+    assert layer.kq is buffer  # filled in place
+    with pytest.raises(qcache.QAttnCacheError, match="static_max_len"):
+        layer.update(k[:, :, :1], v[:, :, :1])
+
+
+def test_packed_handles_refuse_other_attention_implementations(seed):
+    layer = qcache.QAttnLayer("int8")
+    k, v = _states(1, 2, 10, 16)
+    layer.update(k, v)
+    keys, values = layer.update(k[:, :, :1], v[:, :, :1])
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(qcache.QAttnCacheError, match="attn_implementation='qattn'"):
+        torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+    with pytest.raises(qcache.QAttnCacheError):
+        torch.matmul(q, keys.transpose(-1, -2))
+
+
+def test_reorder_and_crop(seed):
+    layer = qcache.QAttnLayer("int4")
+    k, v = _states(3, 2, 12, 16)
+    layer.update(k, v)
+    kq = layer.kq.clone()
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert torch.equal(layer.kq, kq[[2, 0, 1]]) and layer.k_bar.shape[0] == 3
+    layer.crop(-5)
+    assert layer.get_seq_length() == 7
+
+
+# --- generation through the qattn attention function ---------------------------------------------
+
+
+def _tiny_lm(attn="qattn", **overrides):
+    # a wider initializer than the default makes the random model's logits more peaked
+    config = llama_config(layers=2, initializer_range=0.1, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def _greedy(model, ids, cache, steps):
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=steps, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True, output_scores=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, dim=1)
+
+
+def test_generate_agrees_with_the_dynamic_cache(seed, fresh_stats):
+    """Greedy tokens equal the DynamicCache run's, up to the first step where the reference itself
+    has a near-tie (two logits within 10 % of the logit range): random tiny models have some. The
+    logits stay within 10 % of their range of the DynamicCache run's (both quantize: measured 2–4 %)."""
+    model = _tiny_lm()
+    ids = torch.randint(1, 128, (1, 12))
+    base, base_scores = _greedy(model, ids, transformers.DynamicCache(config=model.config), 6)
+    cache = hf_qattn.QAttnCache(model)
+    tokens, scores = _greedy(model, ids, cache, 6)
+    differ = (tokens != base)[0].nonzero()
+    checked = 6 if len(differ) == 0 else int(differ[0])
+    if checked < 6:
+        ref = base_scores[0, checked]
+        gap = ref[base[0, checked]] - ref[tokens[0, checked]]
+        assert gap < 0.1 * (ref.max() - ref.min()), (checked, tokens, base, gap)
+    # logits of the steps both runs took with the same history agree closely
+    rng = base_scores[0, :checked + 1].amax(-1) - base_scores[0, :checked + 1].amin(-1)
+    err = (scores[0, :checked + 1] - base_scores[0, :checked + 1]).abs().amax(-1) / rng
+    assert (err < 0.1).all(), err
+    assert cache.get_seq_length() == 12 + 5 and cache.nbytes() > 0
+    # the decode steps went to the decode kernel over the packed storage: 5 steps × 2 layers
+    assert fresh_stats()["calls"].get("triton", 0) + fresh_stats()["calls"].get("reference", 0) >= 10
+    assert not fresh_stats()["fallbacks"]
+
+
+def _teacher_forced_logits(model, ids, mask, cache, steps):
+    """Prefill then ``steps`` decode steps fed the tokens ``steps`` (B, S); the logits of every step."""
+    out = []
+    with torch.no_grad():
+        for i in range(steps.shape[1] + 1):
+            full = torch.cat([mask, torch.ones(mask.shape[0], i, dtype=mask.dtype)], dim=1)
+            positions = (full.cumsum(-1) - 1).clamp_min(0)
+            chunk = ids if i == 0 else steps[:, i - 1: i]
+            logits = model(chunk, attention_mask=full, position_ids=positions[:, -chunk.shape[1]:],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+    return torch.stack(out, dim=1)
+
+
+def test_left_padded_batch_with_a_mixed_plan(seed):
+    plan = QAttnPlan(default="int8", layers={1: "int4"}, num_layers=2).to_dict()
+    model = _tiny_lm(qattn_plan=plan)
+    ids = torch.randint(1, 128, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0  # left padding of the second sequence
+    ids[1, :4] = 0
+    steps = torch.randint(1, 128, (2, 4))
+    cache = hf_qattn.QAttnCache(model)
+    assert cache.precisions() == ["int8", "int4"]
+    logits = _teacher_forced_logits(model, ids, mask, cache, steps)
+    base = _teacher_forced_logits(model, ids, mask, transformers.DynamicCache(config=model.config), steps)
+    scale = base.abs().amax(-1, keepdim=True)
+    err = ((logits - base).abs() / scale).amax()
+    assert err < 0.15, err  # INT4 K in layer 1
+    # the padded sequence run alone, unpadded: the padding is really masked out
+    alone = _teacher_forced_logits(model, ids[1:, 4:], mask[1:, 4:], hf_qattn.QAttnCache(model), steps[1:])
+    assert ((alone - base[1:]).abs() / scale[1:]).amax() < 0.15
+    # a mask that let the padding in would be far off: the bound above is meaningful
+    unmasked = _teacher_forced_logits(model, ids[1:], torch.ones(1, 10, dtype=torch.long),
+                                      hf_qattn.QAttnCache(model), steps[1:])
+    assert ((unmasked - base[1:]).abs() / scale[1:]).amax() > 0.3
+
+
+def test_decode_step_matches_float64_attention_on_the_cache(seed):
+    """One forward step with the packed cache equals the model run with exact attention over the
+    dequantized cache (the decode kernel vs float64, through the whole integration)."""
+    model = _tiny_lm()
+    ids = torch.randint(1, 128, (2, 9))
+    cache = hf_qattn.QAttnCache(model)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        step = torch.randint(1, 128, (2, 3))  # three tokens at once: causal, bottom-right
+        logits = model(step, past_key_values=cache, use_cache=True).logits
+    # replay: a DynamicCache holding the dequantized tokens of the quantized cache, eager attention in float32
+    replay = transformers.DynamicCache(config=model.config)
+    for index, layer in enumerate(cache.layers):
+        layer.length -= 3
+        k, v = layer.dequantized()
+        layer.length += 3
+        replay.update(k, v, index)
+    eager = _tiny_lm(attn="eager")
+    eager.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ref = eager(step, past_key_values=replay, use_cache=True).logits
+    # the step's own tokens are quantized in the QAttnCache and not in the replay: loose but meaningful bound
+    assert torch.allclose(logits, ref, atol=0.05 * ref.abs().max().item()), (logits - ref).abs().max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_other_attention_implementations_get_a_clear_error(seed):
+    model = _tiny_lm(attn="sdpa")
+    ids = torch.randint(1, 128, (1, 6))
+    with pytest.raises(qcache.QAttnCacheError, match="attn_implementation='qattn'"):
+        _greedy(model, ids, hf_qattn.QAttnCache(model), 3)
+
+
+def test_gradients_fall_back_to_the_dequantized_cache(seed, fresh_stats):
+    model = _tiny_lm()
+    ids = torch.randint(1, 128, (1, 6))
+    cache = hf_qattn.QAttnCache(model)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    out = model(torch.randint(1, 128, (1, 1)), past_key_values=cache, use_cache=True)
+    out.logits.sum().backward()  # autograd: served in full precision from the dequantized cache
+    assert fresh_stats()["fallbacks"]
