@@ -1,0 +1,408 @@
+"""Decode speed and memory with the quantized KV cache (issue 10), on a CUDA GPU.
+
+    python eval/bench_decode.py --out eval/results            # everything (kernel + generate level)
+    python eval/bench_decode.py --out /tmp/out --skip-generate  # kernel level only
+    python eval/bench_decode.py --out /tmp/out --tiny           # small shapes: checks the script runs
+
+Kernel level — one decode step of attention: B ∈ {1, 8}, 32 query / 8 KV heads, d128, bf16,
+cached tokens L ∈ {1k, 4k, 16k, 64k, 128k}, one query token:
+  * SDPA over a bf16 cache (torch.nn.functional.scaled_dot_product_attention, enable_gqa);
+  * qattn over the same bf16 cache (today's path: re-quantizes the whole cache every step);
+  * the decode kernel over the quantized cache, INT8 K and INT4 K (both with FP8 V).
+Times are medians of CUDA-event-timed batches of calls after warm-up; GB/s is the cache bytes
+each reads (scales included) over its time.
+
+Generate level — a Llama-3-8B-shaped model of 8 layers (random bf16 weights), prompt 4k and 16k,
+256 new tokens, greedy, batch 1: prefill timed alone, then each decode step (one token through
+the model, CUDA events, after warm-up steps) for SDPA + DynamicCache vs qattn + QAttnCache (INT8
+K, and INT4 K in every layer); decode tokens/s, peak GPU memory, cache bytes, and the agreement of
+the greedy tokens with the SDPA run. The longest context that fits a memory budget is derived
+from the measured cache bytes per token (scaled to a 32-layer Llama-3-8B).
+
+Each case runs in its own try/except; a failure is reported in the table, not raised. The table is
+printed last and written as markdown to ``<out>/decode-<gpu>-<date>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def parse_sizes(text: str) -> list[int]:
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        out.append(int(float(item[:-1]) * 1024) if item.endswith("k") else int(item))
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="eval/results", help="folder for the markdown table (created)")
+    p.add_argument("--lengths", default="1k,4k,16k,64k,128k", help="cached tokens, kernel level")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--q-len", type=int, default=1, help="query tokens per decode call (kernel level)")
+    p.add_argument("--calls", type=int, default=50, help="calls per timed batch (kernel level)")
+    p.add_argument("--repeats", type=int, default=7, help="timed batches; the median is reported")
+    p.add_argument("--no-qattn-prefill-path", action="store_true",
+                   help="skip timing hf_qattn.qattn over the bf16 cache (today's re-quantizing path)")
+    p.add_argument("--skip-kernel", action="store_true")
+    p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--prompts", default="4k,16k", help="prompt lengths, generate level")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--warmup-steps", type=int, default=8, help="decode steps not timed")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--budget-gib", type=float, default=40.0, help="KV-cache memory budget for the longest context")
+    p.add_argument("--tiny", action="store_true", help="small shapes and a tiny model (runs anywhere)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_us(fn, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean time of ``calls`` back-to-back calls, in µs."""
+    fn()
+    _sync()
+    samples = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel level
+
+
+def kernel_rows(args, device, dtype):
+    from hf_qattn import cache_math
+    from hf_qattn.kernels import decode_launch
+
+    import hf_qattn
+
+    rows = []
+    hq, hk, d, nq = args.heads, args.kv_heads, args.head_dim, args.q_len
+    for b in parse_sizes(args.batches):
+        for n in parse_sizes(args.lengths):
+            row = {"B": b, "L": n}
+            try:
+                k = torch.randn(b, hk, n, d, device=device, dtype=dtype)
+                v = torch.randn(b, hk, n, d, device=device, dtype=dtype)
+                q = torch.randn(b, hq, nq, d, device=device, dtype=dtype)
+                bf16_bytes = 2 * b * hk * n * d * k.element_size()
+                row["sdpa_us"] = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=False, enable_gqa=True), args.calls, args.repeats)
+                row["sdpa_GBs"] = bf16_bytes / row["sdpa_us"] / 1e3
+                if not args.no_qattn_prefill_path:
+                    try:
+                        row["qattn_bf16cache_us"] = time_us(lambda: hf_qattn.qattn(q, k, v), max(3, args.calls // 10),
+                                                            args.repeats)
+                    except Exception as error:  # noqa: BLE001
+                        row["qattn_bf16cache_us"] = f"error: {type(error).__name__}"
+                k_bar, v_bar = cache_math.centers(k, v)
+                for precision in ("int8", "int4"):
+                    int4 = precision == "int4"
+                    try:
+                        kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device=device, dtype=torch.int8)
+                        ks = torch.empty(b, hk, n, device=device)
+                        vq = torch.empty(b, hk, n, d, device=device, dtype=torch.float8_e4m3fn)
+                        vs = torch.empty(b, hk, n, device=device)
+                        decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
+                        out = torch.empty(b, nq, hq, d, device=device, dtype=dtype)
+
+                        def run():
+                            decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4, out=out)
+
+                        us = time_us(run, args.calls, args.repeats)
+                        qbytes = b * hk * n * (kq.shape[-1] + d + 8)
+                        row[f"{precision}_us"] = us
+                        row[f"{precision}_GBs"] = qbytes / us / 1e3
+                        row[f"{precision}_x"] = row["sdpa_us"] / us
+                        # accuracy of this very call against exact attention on the bf16 cache
+                        ref = torch.nn.functional.scaled_dot_product_attention(
+                            q.double(), k.double(), v.double(), enable_gqa=True).transpose(1, 2)
+                        err = (out.double() - ref).abs().sum() / ref.abs().sum()
+                        row[f"{precision}_relL1"] = err.item()
+                        del kq, ks, vq, vs, out, ref
+                    except Exception as error:  # noqa: BLE001
+                        row[f"{precision}_us"] = f"error: {type(error).__name__}: {error}"[:120]
+                        traceback.print_exc()
+                del k, v, q
+            except Exception as error:  # noqa: BLE001
+                row["error"] = f"{type(error).__name__}: {error}"[:160]
+                traceback.print_exc()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            log("kernel", row)
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# generate level
+
+
+def build_model(args, device, dtype):
+    import transformers as tf
+
+    import hf_qattn  # noqa: F401  (registers "qattn")
+
+    if args.tiny:
+        config = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1 << 17)
+    else:
+        config = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                max_position_embeddings=1 << 17, rope_theta=500000.0)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
+
+
+def cache_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@torch.no_grad()
+def generate_run(model, ids, mode: str, new_tokens: int, warmup: int):
+    """Greedy decoding by hand so that prefill and each decode step are timed apart."""
+    import transformers as tf
+
+    import hf_qattn
+
+    if mode == "sdpa+DynamicCache":
+        model.set_attn_implementation("sdpa")
+        cache = tf.DynamicCache(config=model.config)
+    else:
+        model.set_attn_implementation("qattn")
+        precision = mode.split()[-1]
+        cache = hf_qattn.QAttnCache(model, plan=precision)
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    _sync()
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    token = out.logits[:, -1:].argmax(-1)
+    tokens = [token]
+    step_ms = []
+    for step in range(new_tokens - 1):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t1 = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        if torch.cuda.is_available():
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t1) * 1e3
+        if step >= warmup:
+            step_ms.append(ms)
+        tokens.append(token)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return {
+        "prefill_ms": prefill_ms,
+        "step_ms": statistics.median(step_ms) if step_ms else float("nan"),
+        "tok_s": ids.shape[0] * 1e3 / statistics.median(step_ms) if step_ms else float("nan"),
+        "peak_GiB": peak / 2**30,
+        "cache_bytes": cache_bytes(cache),
+        "cache_tokens": cache.get_seq_length(),
+        "tokens": torch.cat(tokens, dim=1).cpu(),
+    }
+
+
+def generate_rows(args, device, dtype):
+    rows = []
+    try:
+        model = build_model(args, device, dtype)
+    except Exception as error:  # noqa: BLE001
+        traceback.print_exc()
+        return [{"prompt": "-", "mode": "build model", "error": f"{type(error).__name__}: {error}"[:160]}]
+    vocab = model.config.vocab_size
+    for prompt in parse_sizes(args.prompts):
+        ids = torch.randint(0, vocab, (1, prompt), device=device)
+        base_tokens = None
+        for mode in ("sdpa+DynamicCache", "qattn+QAttnCache int8", "qattn+QAttnCache int4"):
+            row = {"prompt": prompt, "mode": mode}
+            try:
+                result = generate_run(model, ids, mode, args.new_tokens, args.warmup_steps)
+                tokens = result.pop("tokens")
+                if base_tokens is None:
+                    base_tokens = tokens
+                else:
+                    same = (tokens == base_tokens).long()
+                    row["agree"] = same.float().mean().item()
+                    row["first_diff"] = int(same.argmin()) if not bool(same.all()) else None
+                row.update(result)
+            except Exception as error:  # noqa: BLE001
+                row["error"] = f"{type(error).__name__}: {error}"[:160]
+                traceback.print_exc()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            log("generate", row)
+            rows.append(row)
+        base = next((r for r in rows if r["prompt"] == prompt and r["mode"].startswith("sdpa") and "tok_s" in r), None)
+        for r in rows:
+            if r["prompt"] == prompt and base is not None and "tok_s" in r:
+                r["x_sdpa"] = r["tok_s"] / base["tok_s"]
+                r["cache_vs_bf16"] = r["cache_bytes"] / base["cache_bytes"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def fmt(value, spec="{:.1f}"):
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return spec.format(value)
+
+
+def kernel_table(rows) -> list[str]:
+    lines = ["| B | L | SDPA bf16 µs (GB/s) | qattn on bf16 cache µs | INT8-K µs (GB/s) | ×SDPA | relL1 | INT4-K µs (GB/s) | ×SDPA | relL1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['B']} | {r['L']} | failed: {r['error']} | | | | | | | |")
+            continue
+        cells = [str(r["B"]), str(r["L"]), f"{fmt(r.get('sdpa_us'))} ({fmt(r.get('sdpa_GBs'), '{:.0f}')})",
+                 fmt(r.get("qattn_bf16cache_us"))]
+        for p in ("int8", "int4"):
+            us = r.get(f"{p}_us")
+            if isinstance(us, str):
+                cells += [us, "-", "-"]
+            else:
+                cells += [f"{fmt(us)} ({fmt(r.get(f'{p}_GBs'), '{:.0f}')})", fmt(r.get(f"{p}_x"), "{:.2f}"),
+                          fmt(r.get(f"{p}_relL1"), "{:.4f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def generate_table(rows, args) -> list[str]:
+    lines = ["| prompt | mode | prefill ms | decode ms/token | tokens/s | ×SDPA | peak GiB | cache MiB | cache/bf16 | greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['prompt']} | {r['mode']} | failed: {r['error']} | | | | | | | |")
+            continue
+        agree = "-" if "agree" not in r else f"{r['agree']:.3f}" + (f" (first diff at {r['first_diff']})"
+                                                                    if r.get("first_diff") is not None else "")
+        lines.append("| " + " | ".join([
+            str(r["prompt"]), r["mode"], fmt(r["prefill_ms"]), fmt(r["step_ms"], "{:.2f}"), fmt(r["tok_s"]),
+            fmt(r.get("x_sdpa"), "{:.2f}"), fmt(r["peak_GiB"], "{:.2f}"), fmt(r["cache_bytes"] / 2**20),
+            fmt(r.get("cache_vs_bf16"), "{:.3f}"), agree]) + " |")
+    # longest context in a fixed budget, from measured bytes per token and layer
+    per_token = {}
+    for r in rows:
+        if "error" not in r and r.get("cache_tokens"):
+            per_token.setdefault(r["mode"], r["cache_bytes"] / r["cache_tokens"] / max(1, args.layers if not args.tiny else 2))
+    if per_token:
+        budget = args.budget_gib * 2**30
+        lines += ["", f"Longest context in {args.budget_gib:g} GiB of KV cache, 32-layer Llama-3-8B (from the measured bytes per token):", "",
+                  "| cache | bytes / token / layer | tokens | × bf16 |", "|---|---|---|---|"]
+        base = per_token.get("sdpa+DynamicCache")
+        for mode, bpt in per_token.items():
+            tokens = budget / (bpt * 32)
+            lines.append(f"| {mode} | {bpt:.0f} | {tokens:,.0f} | {fmt(base / bpt if base else None, '{:.2f}')} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.tiny:
+        args.lengths, args.batches, args.prompts = "300,1000", "1,2", "64"
+        args.new_tokens, args.warmup_steps, args.calls, args.repeats = 6, 1, 2, 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if not args.tiny:
+            log("no GPU: use --tiny to check the script on a CPU (times are then meaningless)")
+            return 2
+    dtype = getattr(torch, args.dtype)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    date = datetime.date.today().isoformat()
+    krows = [] if args.skip_kernel else kernel_rows(args, device, dtype)
+    grows = [] if args.skip_generate else generate_rows(args, device, dtype)
+
+    lines = [f"# Decode with the quantized KV cache — {gpu}, {date}", "",
+             f"torch {torch.__version__}; {args.dtype}; command: `python eval/bench_decode.py {' '.join(sys.argv[1:])}`", ""]
+    if krows:
+        lines += [f"## Kernel: one decode step, Hq {args.heads} / Hk {args.kv_heads}, d{args.head_dim}, q_len {args.q_len}", "",
+                  "GB/s = cache bytes read (scales included) / time. relL1 against float64 attention on the bf16 cache.", ""]
+        lines += kernel_table(krows) + [""]
+    if grows:
+        lines += [f"## Generate: Llama-3-8B-shaped, {args.layers if not args.tiny else 2} layers, random bf16 weights, batch 1, "
+                  f"{args.new_tokens} new tokens (median decode step after {args.warmup_steps} warm-up steps)", ""]
+        lines += generate_table(grows, args) + [""]
+    text = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"decode-{gpu.replace(' ', '-')}-{date}{'-tiny' if args.tiny else ''}.md")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    log("")
+    log(text)
+    log(f"\nwritten: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
