@@ -37,8 +37,6 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 
 def log(*args):
     print(*args, flush=True)
