@@ -190,9 +190,11 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
                                          gl.NVMMASharedLayout.get_default_for([block_n, d_pad], gl.int8))
     vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n],
                                           gl.NVMMASharedLayout.get_default_for([d_pad, block_n], gl.float8e4nv))
+    ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n],
+                                          gl.NVMMASharedLayout.get_default_for([block_n], gl.float32))
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
     hopper_kernel[(triton.cdiv(nq, 128), b * hq)](
-        q, k_desc, vt_desc, kv.ks, kv.ds, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
+        q, k_desc, vt_desc, ds_desc, kv.ks, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),

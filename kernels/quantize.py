@@ -18,7 +18,7 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
                                         for keys outside [kv_start, kv_end) and padding keys
 
 Padding rows and columns of kq / vq are written as zeros. With PERMUTE_V, V̂ᵀ's columns follow
-the Hopper kernel's key order (``_v_column``). A K group holding NaN/±Inf gets a NaN scale, so
+the Hopper kernel's key order (``_v_token``). A K group holding NaN/±Inf gets a NaN scale, so
 the rows that see it come out NaN, as with full-precision attention.
 """
 
@@ -101,13 +101,15 @@ def _nan_unless_finite(scale, total):
 
 
 @triton.jit
-def _v_column(rows, PERMUTE_V: tl.constexpr):
-    """Column of V̂ᵀ that holds token ``rows``: the Hopper kernel wants keys relabelled inside each
-    32-key group (bits b4 b3 b2 b1 b0 → b4 b2 b1 b3 b0) so that P needs no shuffles before P·V."""
+def _v_token(columns, PERMUTE_V: tl.constexpr):
+    """Token that column ``columns`` of V̂ᵀ holds. The Hopper kernel relabels keys inside each 32-key
+    group (column bits c4 c3 c2 c1 c0 hold token bits c4 c1 c3 c2 c0) so that P needs no shuffles
+    before P·V. The pass gathers V's rows in that order and stores V̂ᵀ contiguously (a scattered
+    store of bytes ran at a seventh of the copy bandwidth)."""
     if PERMUTE_V:
-        r = rows % 32
-        rows = rows - r + ((r & 17) | (((r >> 1) & 3) << 2) | (((r >> 3) & 1) << 1))
-    return rows
+        c = columns % 32
+        columns = columns - c + ((c & 17) | (((c >> 1) & 1) << 3) | (((c >> 3) & 1) << 2) | (((c >> 2) & 1) << 1))
+    return columns
 
 
 @triton.jit
@@ -157,10 +159,12 @@ def quantize_kv_kernel(
         tl.store(DS + bhq * NK_PAD + rows, tl.where(visible, ds, float("-inf")))
 
     # --- V: subtract v̄, scale per channel over this tile, FP8 E4M3 (or FP16 where no FP8 MMA).
-    v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
-                mask=inside, other=0.0).to(tl.float32)
+    v_rows = _v_token(rows, PERMUTE_V)  # a permutation inside each 32-row group: same tile, other order
+    v_inside = (v_rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
+    v = tl.load(V + b * stride_vb + hk * stride_vh + v_rows[:, None] * stride_vn + cols[None, :] * stride_vd,
+                mask=v_inside, other=0.0).to(tl.float32)
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-    v = tl.where(inside, v - v_bar[None, :], 0.0)
+    v = tl.where(v_inside, v - v_bar[None, :], 0.0)
     if V_CHANNEL_SCALE:  # per channel over all keys, from v_absmax_kernel (VS holds those maxima)
         v_scale = tl.maximum(tl.load(VS + bh * D_PAD + cols), SCALE_FLOOR) / 448.0
         vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND)
@@ -171,7 +175,6 @@ def quantize_kv_kernel(
         v_scale = tl.full([D_PAD], 1.0, tl.float32)
         vq = v.to(tl.float16)
     # transposed so that the stores run along tokens (coalesced); the attention kernel reads V̂ᵀ tiles
-    tl.store(VQ + (bh.to(tl.int64) * D_PAD + cols[:, None]) * NK_PAD + _v_column(rows, PERMUTE_V)[None, :],
-             tl.trans(vq))
+    tl.store(VQ + (bh.to(tl.int64) * D_PAD + cols[:, None]) * NK_PAD + rows[None, :], tl.trans(vq))
     if not V_CHANNEL_SCALE:
         tl.store(VS + (bh * NUM_TILES + tile) * D_PAD + cols, v_scale)

@@ -5,8 +5,8 @@ warp (``load_kv``), meeting on a ring of STAGES shared-memory stages.
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
 (``kernels/quantize.py``), in buffers padded to whole 128-key tiles and head dims of 64 or 128:
 K̂ int8 (B·Hk·NK_PAD, D_PAD) with δK per tile (or per token), V̂ᵀ FP8 (B·Hk·D_PAD, NK_PAD) with
-keys permuted inside 32-key groups and δV per channel, ΔS per (query head, key), and the
-smoothing centers. GQA/MQA: query head h reads K/V head h // GROUPS, no copies.
+keys permuted inside 32-key groups and δV per channel, ΔS per (query head, key) — all three
+through TMA descriptors, loaded by the loader warp — and the smoothing centers. GQA/MQA: query head h reads K/V head h // GROUPS, no copies.
 """
 
 from .epilogue import store_output
@@ -20,7 +20,7 @@ LOADER_REGISTERS = gl.constexpr(24)
 
 
 @gluon.jit
-def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, DS_bhq, O, LSE, q_all, k_smem, v_smem, kv_ready, kv_empty,
+def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
              b, h, bhq, bhk, cta_row0, end,
              stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
              NQ, NK, score_coef, sm_scale,
@@ -36,7 +36,7 @@ def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, DS_bhq, O, LSE, q_all, k_sm
     q_smem = q_all.index(WARPGROUP)
     q_coef = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
                         score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, qk_layout)
-    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, kv_ready, kv_empty, KS_bh, DS_bhq, end,
+    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, end,
                            cta_row0, row0, NQ, NK, BM, BLOCK_N, D_PAD, STAGES, CAUSAL, K_TOKEN_SCALE,
                            P_LOG2, qk_layout, o_layout)
     store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
@@ -46,7 +46,7 @@ def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, DS_bhq, O, LSE, q_all, k_sm
 
 @gluon.jit
 def attention_kernel(
-    Q, k_desc, vt_desc, KS, DS, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
+    Q, k_desc, vt_desc, ds_desc, KS, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
     HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
     HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -63,12 +63,12 @@ def attention_kernel(
         KS_bh = KS + bhk.to(gl.int64) * NK_PAD
     else:
         KS_bh = KS + bhk.to(gl.int64) * NUM_TILES
-    DS_bhq = DS + bhq.to(gl.int64) * NK_PAD
 
     q_all = gl.allocate_shared_memory(gl.int8, [2, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.int8))
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
+    ds_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -77,14 +77,15 @@ def attention_kernel(
 
     cta_row0 = m_block * BLOCK_M
     gl.warp_specialize([
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, DS_bhq, O, LSE, q_all, k_smem, v_smem, kv_ready, kv_empty,
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
                     b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
                     stride_ob, stride_oh, stride_on, stride_od, NQ, NK, score_coef, sm_scale,
                     0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE)),
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, DS_bhq, O, LSE, q_all, k_smem, v_smem, kv_ready, kv_empty,
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
                     b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
                     stride_ob, stride_oh, stride_on, stride_od, NQ, NK, score_coef, sm_scale,
                     1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE)),
-        (load_kv, (k_desc, vt_desc, k_smem, v_smem, kv_ready, kv_empty, (bhk * NK_PAD).to(gl.int32),
-                   (bhk * D_PAD).to(gl.int32), end, BLOCK_N, STAGES)),
+        (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
+                   (bhk * NK_PAD).to(gl.int32), (bhk * D_PAD).to(gl.int32), (bhq * NK_PAD).to(gl.int32), end,
+                   BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])

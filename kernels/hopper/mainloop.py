@@ -51,15 +51,12 @@ def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_q
 
 
 @gluon.jit
-def _tile_inputs(KS_bh, DS_bhq, tile, BLOCK_N: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, col: gl.constexpr):
-    """ΔS of the tile's keys and δK (a vector per token, or the tile's scalar): loaded while Q·Kᵀ runs."""
-    offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col)
-    ds = gl.load(DS_bhq + offs_n)
+def _k_scale(KS_bh, tile, BLOCK_N: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, col: gl.constexpr):
+    """δK of the tile: its one scale (a scalar, loaded before the Q·Kᵀ wait hides its latency), or per token."""
     if K_TOKEN_SCALE:
-        k_scale = gl.load(KS_bh + offs_n)
+        return gl.load(KS_bh + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col))
     else:
-        k_scale = gl.load(KS_bh + tile)  # the tile's one scale
-    return ds, k_scale
+        return gl.load(KS_bh + tile)
 
 
 @gluon.jit
@@ -96,7 +93,7 @@ def _p_operand(p, BM: gl.constexpr, BLOCK_N: gl.constexpr, p_layout: gl.constexp
 
 
 @gluon.jit
-def attend(q_smem, q_coef, k_smem, v_smem, kv_ready, kv_empty, KS_bh, DS_bhq, end, first_row, row0, NQ,
+def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, end, first_row, row0, NQ,
            NK, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr,
            CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """The main loop over key tiles [0, end): returns (O unnormalized, l, m)."""
@@ -108,8 +105,9 @@ def attend(q_smem, q_coef, k_smem, v_smem, kv_ready, kv_empty, KS_bh, DS_bhq, en
     acc = gl.zeros([BM, D_PAD], gl.float32, layout=o_layout)
     qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
     if end > 0:
-        ds, k_scale = _tile_inputs(KS_bh, DS_bhq, 0, BLOCK_N, K_TOKEN_SCALE, col)
+        k_scale = _k_scale(KS_bh, 0, BLOCK_N, K_TOKEN_SCALE, col)
         mbarrier.wait(kv_ready.index(0), 0)
+        ds = ds_smem.index(0).load(col)  # ΔS of the tile's keys, brought by the loader
         qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, 0, first_row, row0,
@@ -120,11 +118,12 @@ def attend(q_smem, q_coef, k_smem, v_smem, kv_ready, kv_empty, KS_bh, DS_bhq, en
             s = i % STAGES
             s1 = (i + 1) % STAGES
             p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-            ds, k_scale = _tile_inputs(KS_bh, DS_bhq, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
+            k_scale = _k_scale(KS_bh, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
             mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
             qk = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+            ds = ds_smem.index(s1).load(col)
             p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, i + 1, first_row, row0,
                                           NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, qk_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))

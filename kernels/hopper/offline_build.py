@@ -38,8 +38,13 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
         return f"tensordesc<{type_name}[{shape[0]}, {shape[1]}],{layout!r}>"
 
+    def descriptor1d(type_name, gl_type, size):
+        layout = gl.NVMMASharedLayout.get_default_for([size], gl_type)
+        return f"tensordesc<{type_name}[{size}],{layout!r}>"
+
     signature = {
-        "Q": f"*{dtype}", "k_desc": descriptor("i8", gl.int8, [block_n, d_pad]), "KS": "*fp32", "DS": "*fp32",
+        "Q": f"*{dtype}", "k_desc": descriptor("i8", gl.int8, [block_n, d_pad]), "KS": "*fp32",
+        "ds_desc": descriptor1d("fp32", gl.float32, block_n),
         "vt_desc": descriptor("fp8e4nv", gl.float8e4nv, [d_pad, block_n]),
         "Q_BAR": "*fp32", "K_BAR": "*fp32", "V_BAR": "*fp32", "V_SCALE": "*fp32",
         "KV_END": "*i32", "O": f"*{dtype}", "LSE": "*fp32",
