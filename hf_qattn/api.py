@@ -88,7 +88,7 @@ def qattn(
     return_lse: bool = False,
     kv_start: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
-    backend: Literal["auto", "triton", "reference"] = "auto",
+    backend: Literal["auto", "hopper", "triton", "reference"] = "auto",
 ):
     """Quantized attention: Q·Kᵀ in INT8 or INT4 range, P·V in FP8 (E4M3), with Q/K/V smoothing.
 
@@ -96,7 +96,8 @@ def qattn(
         q, k, v: float16 / bfloat16 / float32 tensors in ``layout``; k and v may have fewer heads.
         is_causal: mask keys right of the diagonal, aligned bottom-right when Nq ≠ Nk.
         sm_scale: softmax scale, default 1/sqrt(head_dim).
-        qk: ``"int8"`` (±127) or ``"int4"`` (±7). On Hopper both run on the INT8 tensor cores.
+        qk: ``"int8"`` (±127) or ``"int4"`` (±7). Hopper has no INT4 tensor cores: there ``"int4"``
+            runs as ``"int8"`` (more accurate, same speed) unless ``HF_QATTN_EXACT_INT4=1``.
         pv: ``"fp8"`` (E4M3) or ``"fp16"``. GPUs without FP8 tensor cores (sm80/86) run ``"fp16"``.
         smooth_q, smooth_k, smooth_v: subtract per-channel centers (exact; only error changes).
         return_lse: also return the log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
@@ -117,7 +118,9 @@ def qattn(
         lse = torch.full((b, hq, nq), -math.inf, device=q.device)
         return (out, lse) if return_lse else out
 
-    path, reason = support.select_path(q, backend)
+    if backend == "auto":
+        qk = support.effective_qk(q, qk)  # int4 runs INT8 on Hopper (no INT4 tensor cores there)
+    path, reason = support.select_path(q, backend, qk, pv)
     if reason is not None:
         stats.record_fallback(reason, path)
     else:
@@ -125,18 +128,21 @@ def qattn(
     if path == support.TRITON and pv == "fp8" and not support.has_fp8_mma(q.device):
         pv = "fp16"  # no FP8 tensor cores (Ampere): P·V runs in FP16, as documented for ``pv``
 
-    if path == support.TRITON:
+    if path in (support.HOPPER, support.TRITON):
         from hf_qattn.kernels import launch
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        options = dict(is_causal=is_causal, sm_scale=sm_scale, qk=qk, smooth_q=smooth_q, smooth_k=smooth_k,
+                       smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
         # Launch on the inputs' GPU, not the current one: Triton takes the device and stream from the
         # current device, so a tensor on cuda:1 under cuda:0 (device_map="auto") would run on the wrong
         # stream, racing the producer of q/k/v (measured: all-NaN logits on 2 GPUs).
         with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-            lse = launch.quantized_attention(
-                qh, kh, vh, out if layout == "HND" else out.transpose(1, 2), is_causal=is_causal,
-                sm_scale=sm_scale, qk=qk, v_fp8=pv == "fp8", smooth_q=smooth_q, smooth_k=smooth_k,
-                smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
+            if path == support.HOPPER:
+                lse = launch.hopper_attention(qh, kh, vh, out if layout == "HND" else out.transpose(1, 2), **options)
+            else:
+                lse = launch.quantized_attention(qh, kh, vh, out if layout == "HND" else out.transpose(1, 2),
+                                                 v_fp8=pv == "fp8", **options)
         return (out, lse) if return_lse else out
 
     if path == support.SDPA:

@@ -3,6 +3,8 @@
 Path names are the vocabulary of ``fallback_stats()["calls"]``, the same in :func:`hf_qattn.qattn`
 and in both integrations:
 
+- ``"hopper"``: the warp-specialized Gluon kernel for sm90 (``kernels/hopper/``): INT8 Q·Kᵀ, FP8
+  P·V, head dim ≤ 128, a triton with the Gluon API it was written for;
 - ``"triton"``: the Triton GPU kernels (CUDA tensors on compute capability ≥ 8.0, head dim ≤ 256;
   under ``TRITON_INTERPRET=1`` also CPU tensors, which is how the tests run them);
 - ``"reference"``: the PyTorch simulation of the kernels' math (CPU tensors, or asked for);
@@ -22,12 +24,14 @@ shapes); the integrations ask it before anything else.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 # -- the path vocabulary -------------------------------------------------------------------------
+HOPPER = "hopper"
 TRITON = "triton"
 REFERENCE = "reference"
 SDPA = "sdpa"
@@ -88,7 +92,40 @@ def has_fp8_mma(device: torch.device) -> bool:
     return device.type != "cuda" or capability(device) >= (8, 9)
 
 
-def _triton_gap(q: torch.Tensor) -> str | None:
+def exact_int4() -> bool:
+    """Whether qk="int4" runs in the INT4 range on GPUs without INT4 tensor cores (Hopper).
+
+    Hopper has no INT4 MMA: INT4-range values run on the INT8 tensor cores at INT8 speed, so there
+    they buy only error. By default an int4 call on sm90 runs INT8 (the Hopper kernel); set
+    ``HF_QATTN_EXACT_INT4=1`` to reproduce INT4 numerics there (the portable Triton kernel).
+    """
+    return os.environ.get("HF_QATTN_EXACT_INT4", "0") == "1"
+
+
+def effective_qk(q: torch.Tensor, qk: str) -> str:
+    """The Q·Kᵀ precision a call on ``q`` runs: int4 becomes int8 on sm90 unless :func:`exact_int4`."""
+    if qk == "int4" and q.device.type == "cuda" and not exact_int4() and capability(q.device) == (9, 0):
+        return "int8"
+    return qk
+
+
+def _hopper_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
+    if q.device.type != "cuda" or capability(q.device) != (9, 0):
+        return "not an sm90 GPU"
+    if not triton_available():
+        return "Triton is not installed"
+    from hf_qattn.kernels.hopper.gluon_api import missing
+
+    if (gap := missing()) is not None:
+        return gap
+    if q.shape[-1] > 128:
+        return "head_dim > 128 (the Hopper kernel's registers)"
+    if qk != "int8" or pv != "fp8":
+        return "the Hopper kernel runs INT8 Q·Kᵀ with FP8 P·V only"
+    return None
+
+
+def _triton_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
     if not triton_available():
         return "Triton is not installed"
     if q.device.type != "cuda":
@@ -105,33 +142,35 @@ class KernelPath:
     """A quantized path: where ``backend="auto"`` tries it, and why it cannot serve a call (None: it can)."""
 
     auto_on: tuple[str, ...]
-    gap: Callable[[torch.Tensor], str | None]
+    gap: Callable[[torch.Tensor, str, str], str | None]  # (q, qk, pv) -> reason or None
 
 
 # In order of preference for backend="auto". A new path is one entry here.
 KERNEL_PATHS: dict[str, KernelPath] = {
+    HOPPER: KernelPath(auto_on=("cuda",), gap=_hopper_gap),
     TRITON: KernelPath(auto_on=("cuda",), gap=_triton_gap),
-    REFERENCE: KernelPath(auto_on=("cpu",), gap=lambda q: None),
+    REFERENCE: KernelPath(auto_on=("cpu",), gap=lambda q, qk, pv: None),
 }
 BACKENDS = ("auto", *KERNEL_PATHS)
 
 
-def select_path(q: torch.Tensor, backend: str = "auto") -> tuple[str, str | None]:
+def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: str = "fp8") -> tuple[str, str | None]:
     """(path, None) for the quantized path that serves a call on ``q``, or (``"sdpa"``, reason).
 
     ``backend="auto"`` takes the first path of :data:`KERNEL_PATHS` made for q's device type that can
-    serve the call, else falls back to SDPA with the reason the last one gave. A forced backend that
-    cannot serve the call raises ``RuntimeError``.
+    serve the call, else falls back to SDPA with the reason the last one gave (a path passed over for
+    a later one is no fallback: the Hopper kernel hands d > 128 to the Triton kernel silently). A
+    forced backend that cannot serve the call raises ``RuntimeError``.
     """
     if backend != "auto":
-        gap = KERNEL_PATHS[backend].gap(q)
+        gap = KERNEL_PATHS[backend].gap(q, qk, pv)
         if gap is not None:
             raise RuntimeError(f"backend={backend!r} cannot serve this call: {gap}")
         return backend, None
     reason = f"no quantized path for {q.device.type} tensors"
     for name, path in KERNEL_PATHS.items():
         if q.device.type in path.auto_on:
-            reason = path.gap(q)
+            reason = path.gap(q, qk, pv)
             if reason is None:
                 return name, None
     return SDPA, reason

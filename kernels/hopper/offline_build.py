@@ -64,13 +64,24 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
 
 
 def resources(kernel) -> dict:
-    """Registers, spill bytes, stack frame and C7508-style warnings from ptxas -v for sm_90a."""
+    """Registers, spill bytes, stack frame and warnings from ptxas -v for sm_90a.
+
+    Triton 3.9 emits PTX newer than its ``ptxas`` reads and ships ``ptxas-blackwell`` for it: the
+    first of the two that assembles the PTX is used."""
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        log = subprocess.run([_tool("ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
-                             capture_output=True, text=True).stderr
+        for name in ("ptxas", "ptxas-blackwell"):
+            if not os.path.exists(_tool(name)):
+                continue
+            run = subprocess.run([_tool(name), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"no ptxas assembled the kernel: {run.stderr[-500:]}")
+    log = run.stderr
     regs = re.search(r"Used (\d+) registers", log)
     return {"regs": int(regs.group(1)) if regs else None,
             "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill (?:stores|loads)", log))),

@@ -1,0 +1,124 @@
+"""The sm90 Gluon kernel family without a GPU: what ptxas makes of every shipped configuration, the
+K/V pass in the Hopper layout (under the Triton interpreter), and the dispatch rules.
+
+The kernel itself runs only on an H100/H200: ``eval/check_device.py`` compares it with the
+reference there, case by case (results in ``eval/results/check-hopper-*.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_qattn import quant, support
+from hf_qattn.kernels import launch, tuning
+from hf_qattn.kernels.hopper import gluon_api
+
+needs_gluon = pytest.mark.skipif(gluon_api.missing() is not None, reason=f"{gluon_api.missing()}")
+
+# every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes
+SHIPPED = [
+    {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": causal, "return_lse": lse,
+     "has_kv_range": kv_range, "dtype": dtype}
+    for d in (64, 128)
+    for causal, lse, kv_range, dtype in ((False, False, False, "fp16"), (True, True, True, "bf16"),
+                                         (True, False, False, "fp16"), (False, True, True, "fp16"))
+]
+
+_PROBE = """
+import json, sys
+from hf_qattn.kernels.hopper import offline_build as ob
+kernel = ob.compile_sm90(**json.loads(sys.argv[1]))
+ops = ob.opcode_counts(kernel)
+print(json.dumps({**ob.resources(kernel), **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL")}}))
+"""
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(config):
+    # a subprocess: a Gluon compile error can abort the process (seen with triton 3.6)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
+    run = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(config)], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["IGMMA"] > 0, "INT8 Q·Kᵀ must run on the INT8 wgmma"
+    assert report["QGMMA"] > 0, "P·V must run on the FP8 wgmma"
+    assert report["UTMALDG"] >= 3, "K, V and ΔS tiles must come through TMA"
+    assert report["spill_bytes"] == 0 and report["LDL"] == 0 and report["STL"] == 0, report
+    assert report["shared"] <= 227 * 1024, report
+
+
+def _hopper_pass(q, k, v, kv_start=None, kv_end=None):
+    return launch.quantize_kv(q, k, v, sm_scale=q.shape[-1] ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
+                              smooth_k=True, smooth_v=True, kv_start=kv_start, kv_end=kv_end, block_n=128,
+                              k_token_scale=False, v_channel_scale=True, permute_v=True)
+
+
+def _key_of_column(nk_pad: int) -> torch.Tensor:
+    """Token held by each column of V̂ᵀ in the Hopper key order (the kernel's relabelling of P)."""
+    inside = torch.arange(32).reshape(2, 2, 2, 2, 2).permute(0, 2, 3, 1, 4).reshape(32)
+    return torch.cat([32 * g + inside for g in range(nk_pad // 32)])
+
+
+def test_kv_pass_hopper_layout_matches_the_reference_quantization():
+    b, hq, hk, n, d = 2, 4, 2, 300, 64
+    q, k = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d)
+    v = 3 * torch.randn(b, hk, n, d) + torch.randn(1, hk, 1, d)
+    kv = _hopper_pass(q, k, v)
+    v_bar = quant.smoothing_center(v, tuning.center_sample())
+    v_smooth = v - v_bar[:, :, None]
+    # V scale: max |V − v̄| per channel over all keys
+    torch.testing.assert_close(kv.vs.view(b, hk, -1)[..., :d], v_smooth.abs().amax(2), rtol=1e-5, atol=1e-5)
+    v_hat, _ = quant.quantize_v(v_smooth, "fp8_e4m3", "channel", 128)
+    stored = kv.vq.view(b, hk, d, kv.nk_pad).float()
+    by_token = torch.empty_like(stored)
+    by_token[..., _key_of_column(kv.nk_pad)] = stored
+    assert torch.equal(by_token[..., :n], v_hat.transpose(2, 3)), "V̂ᵀ columns must follow the Hopper key order"
+    assert not by_token[..., n:].any(), "padding keys are zeros"
+    # K: INT8 per 128-key tile, as the reference quantizes it
+    k_smooth = k - quant.smoothing_center(k, tuning.center_sample())[:, :, None]
+    k_hat, k_scale = quant.quantize_int(k_smooth, 127.0, 128)
+    assert torch.equal(kv.kq.view(b, hk, kv.nk_pad, d)[:, :, :n].float(), k_hat)
+    torch.testing.assert_close(kv.ks.view(b, hk, -1), k_scale[..., ::128])
+
+
+def test_kv_pass_writes_minus_inf_delta_s_outside_key_ranges_and_padding():
+    b, hq, hk, n, d = 2, 4, 2, 300, 64
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+    start, end = torch.tensor([0, 37], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
+    ds = _hopper_pass(q, k, v, start, end).ds.view(b, hq, -1)
+    keys = torch.arange(ds.shape[-1])
+    for batch in range(b):
+        outside = (keys < start[batch]) | (keys >= end[batch])
+        assert torch.isinf(ds[batch][:, outside]).all() and (ds[batch][:, outside] < 0).all()
+        assert torch.isfinite(ds[batch][:, ~outside]).all()
+
+
+def test_kv_pass_gives_a_non_finite_key_tile_a_nan_scale():
+    b, h, n, d = 1, 1, 300, 64
+    q, k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    k[0, 0, 201, 3] = float("inf")  # tile 1 of 128 keys: [128, 256); an odd token, outside the centers' sample
+    scales = _hopper_pass(q, k, v).ks.view(-1)
+    assert torch.isnan(scales[1]) and torch.isfinite(scales[[0, 2]]).all()
+
+
+def test_dispatch_on_a_cpu_tensor_never_picks_the_hopper_kernel():
+    q = torch.randn(1, 2, 8, 64)
+    assert support.select_path(q)[0] == support.REFERENCE
+    assert support._hopper_gap(q, "int8", "fp8") == "not an sm90 GPU"
+    assert support.effective_qk(q, "int4") == "int4"  # the int4 → int8 rule is for sm90 only
+    with pytest.raises(RuntimeError, match="hopper"):
+        support.select_path(q, "hopper")
+
+
+def test_hopper_config_is_read_from_the_shipped_table():
+    assert tuning.hopper_config(128) == {"BLOCK_N": 128, "STAGES": 3}
+    assert tuning.hopper_config(64)["STAGES"] == 2
+    assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
