@@ -171,13 +171,16 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                         q, k, v, out, is_causal=causal, kv_start=None, kv_end=None, return_lse=False, **common)),
                     "gluon-kernel": time_ms(lambda: launch.hopper_kernel_launch(
                         q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                        return_lse=False, stages=config["STAGES"])),
+                        return_lse=False, stages=config["STAGES"], pingpong=config["PINGPONG"])),
+                    "kernel-other": time_ms(lambda: launch.hopper_kernel_launch(  # the other ping-pong setting
+                        q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
+                        return_lse=False, stages=config["STAGES"], pingpong=not config["PINGPONG"])),
                     "prepass": time_ms(prepass),
                     "copy": time_ms(lambda: copy_dst.copy_(copy_src.view(-1))),
                 }
                 row = {"dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
                 row.update({name: flops / (times[name] * 1e-3) / 1e12 for name in
-                            ("cudnn", "triton-8b", "gluon-8b", "gluon-kernel")})
+                            ("cudnn", "triton-8b", "gluon-8b", "gluon-kernel", "kernel-other")})
                 row["gluon/cudnn"] = row["gluon-8b"] / row["cudnn"]
                 row["kernel/cudnn"] = row["gluon-kernel"] / row["cudnn"]
                 row["prepass_ms"] = times["prepass"]

@@ -107,7 +107,10 @@ def attention_kernel(
     q_scale = tl.maximum(row_max, SCALE_FLOOR) / QK_MAX
     q_int = quantize_symmetric(qs, q_scale[:, None], QK_MAX)
     score_coef = tl.cast(score_coef, tl.float32)  # torch.compile may hand Python floats over as fp64
-    q_coef = q_scale * score_coef
+    # max and clamp drop NaN: a row holding NaN/±Inf gets a NaN coefficient (its sum keeps them), so
+    # its output is NaN, as full-precision attention's, never a plausible value
+    row_sum = tl.sum(qs, axis=1)
+    q_coef = tl.where((row_sum == row_sum) & (tl.abs(row_sum) < float("inf")), q_scale * score_coef, float("nan"))
 
     # --- which key tiles to visit: [kv_lo, kv_hi) ∩ causal, split into masked edges and a clean middle
     kv_lo = 0
@@ -150,14 +153,16 @@ def attention_kernel(
                                kq_row0, vq_row0, tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi, diag_offset,
                                D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
 
-    # --- epilogue: normalize, add v̄ back; rows that saw no key are zero
-    seen = l_i > 0.0
+    # --- epilogue: normalize, add v̄ back; rows that saw no key are zero. l is 0 exactly for those;
+    # NaN (NaN/±Inf inputs) is != 0, so it stays NaN instead of passing for a row without keys
+    seen = l_i != 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
     v_bar = tl.load(V_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
-    out = tl.where(seen[:, None], acc / l_i[:, None] + v_bar[None, :], 0.0)
+    out = tl.where(seen[:, None], acc / l_safe[:, None] + v_bar[None, :], 0.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     if RETURN_LSE:
         k_bar = tl.load(K_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
         shift = tl.sum(q * k_bar[None, :], axis=1) * (score_coef / LOG2E)
-        lse = tl.where(seen, (m_i + tl.math.log2(tl.maximum(l_i, 1e-30)) - P_LOG2) / LOG2E + shift, float("-inf"))
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe) - P_LOG2) / LOG2E + shift, float("-inf"))
         tl.store(LSE + bhq.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)

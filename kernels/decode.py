@@ -201,7 +201,7 @@ def decode_kernel(
         tl.store(PART_L + part, l_i, mask=row_ok)
     else:
         v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # 0 only for rows that saw no key; NaN (non-finite input) stays NaN
         out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :], 0.0)
         tl.store(O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -234,6 +234,7 @@ def combine_kernel(
     acc = tl.load(PART_O + (base + s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     merged = tl.sum(acc * w[:, None], axis=0)
     v_bar = tl.load(V_BAR + (b * (HQ // GROUPS) + h // GROUPS) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-    out = tl.where(total > 0.0, merged / tl.where(total > 0.0, total, 1.0) + v_bar, 0.0)
+    seen = total != 0.0  # NaN (non-finite input) stays NaN
+    out = tl.where(seen, merged / tl.where(seen, total, 1.0) + v_bar, 0.0)
     tl.store(O + b * stride_ob + qi * stride_on + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty),
              mask=d_ok)

@@ -175,11 +175,12 @@ def hopper_attention(
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
                      k_token_scale=False, v_channel_scale=True, permute_v=True)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
-                                kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"])
+                                kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
+                                pingpong=config["PINGPONG"])
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
-                         kv_end, return_lse: bool, stages: int):
+                         kv_end, return_lse: bool, stages: int, pingpong: bool):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
     from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor, gl
@@ -199,6 +200,6 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
-        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, num_warps=4,
+        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, num_warps=4,
     )
     return lse

@@ -21,12 +21,12 @@ LOADER_REGISTERS = gl.constexpr(24)
 
 @gluon.jit
 def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
-             b, h, bhq, bhk, cta_row0, end,
+             turn,             b, h, bhq, bhk, cta_row0, end,
              stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
              NQ, NK, score_coef, sm_scale,
              WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-             P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr):
+             P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr):
     BM: gl.constexpr = 64
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 32])
@@ -36,9 +36,9 @@ def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_sm
     q_smem = q_all.index(WARPGROUP)
     q_coef = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
                         score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, qk_layout)
-    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, end,
-                           cta_row0, row0, NQ, NK, BM, BLOCK_N, D_PAD, STAGES, CAUSAL, K_TOKEN_SCALE,
-                           P_LOG2, qk_layout, o_layout)
+    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, end,
+                           cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL, K_TOKEN_SCALE,
+                           P_LOG2, PINGPONG, qk_layout, o_layout)
     store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
                  stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
                  HEAD_DIM, D_PAD, BM, P_LOG2, RETURN_LSE, o_layout)
@@ -51,7 +51,7 @@ def attention_kernel(
     HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
     HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-    P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
+    P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
     m_block, bhq = query_block(NQ, BLOCK_M, CAUSAL)
@@ -71,20 +71,23 @@ def attention_kernel(
     ds_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
 
     cta_row0 = m_block * BLOCK_M
     gl.warp_specialize([
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
-                    b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
+                    kv_empty, turn,                    b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
                     stride_ob, stride_oh, stride_on, stride_od, NQ, NK, score_coef, sm_scale,
-                    0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE)),
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
-                    b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
+                    0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)),
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
+                    kv_empty, turn,                    b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
                     stride_ob, stride_oh, stride_on, stride_od, NQ, NK, score_coef, sm_scale,
-                    1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE)),
+                    1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)),
         (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
                    (bhk * NK_PAD).to(gl.int32), (bhk * D_PAD).to(gl.int32), (bhq * NK_PAD).to(gl.int32), end,
                    BLOCK_N, STAGES)),

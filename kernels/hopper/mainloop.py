@@ -93,10 +93,29 @@ def _p_operand(p, BM: gl.constexpr, BLOCK_N: gl.constexpr, p_layout: gl.constexp
 
 
 @gluon.jit
-def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, end, first_row, row0, NQ,
-           NK, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr, STAGES: gl.constexpr,
-           CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
-    """The main loop over key tiles [0, end): returns (O unnormalized, l, m)."""
+def _take_turn(turn, k, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other warpgroup has issued its MMAs of step k − 1 (and it, ours)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WARPGROUP), k & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+
+
+@gluon.jit
+def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, end, first_row, row0, NQ,
+           NK, WARPGROUP: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr,
+           STAGES: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr,
+           PINGPONG: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The main loop over key tiles [0, end): returns (O unnormalized, l, m).
+
+    With PINGPONG the two warpgroups take turns issuing their MMAs (FA3's warp scheduler barrier):
+    the tensor cores run one warpgroup's Q·Kᵀ and P·V while the other one's softmax runs, instead
+    of both issuing at once and then both waiting on the exp unit.
+    """
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
     col: gl.constexpr = gl.SliceLayout(0, qk_layout)
@@ -105,10 +124,15 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, e
     acc = gl.zeros([BM, D_PAD], gl.float32, layout=o_layout)
     qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
     if end > 0:
+        if PINGPONG:
+            if WARPGROUP == 1:
+                mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 goes first
         k_scale = _k_scale(KS_bh, 0, BLOCK_N, K_TOKEN_SCALE, col)
         mbarrier.wait(kv_ready.index(0), 0)
         ds = ds_smem.index(0).load(col)  # ΔS of the tile's keys, brought by the loader
+        _take_turn(turn, 0, WARPGROUP, PINGPONG)
         qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, WARPGROUP, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, 0, first_row, row0,
                                       NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, qk_layout)
@@ -120,8 +144,10 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, e
             p8 = _p_operand(p, BM, BLOCK_N, p_layout)
             k_scale = _k_scale(KS_bh, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
             mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
+            _take_turn(turn, i + 1, WARPGROUP, PINGPONG)
             qk = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+            _pass_turn(turn, WARPGROUP, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
             ds = ds_smem.index(s1).load(col)
             p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, i + 1, first_row, row0,
@@ -131,7 +157,9 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KS_bh, e
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         s = (end - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
+        _take_turn(turn, end, WARPGROUP, PINGPONG)
         acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+        _pass_turn(turn, WARPGROUP, PINGPONG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(s), count=1)
     return acc, l_i, m_i
