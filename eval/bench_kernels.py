@@ -45,6 +45,17 @@ def log(*args):
 
 
 # ---------------------------------------------------------------------------------------------
+def reference_settings_for(q, d, causal, qk):
+    """(qk the call runs, reference keywords) that simulate the kernel ``qattn`` picks for this call."""
+    from hf_qattn import support
+
+    qk = support.effective_qk(q, qk)
+    if support.select_path(q, "auto", qk, "fp8")[0] == support.HOPPER:
+        return qk, tuning.hopper_reference_settings()
+    config = tuning.attention_config(tuning.arch_of(q.device), d, causal, "fp8", qk)
+    return qk, tuning.reference_settings(config)
+
+
 def check(dtype):
     """Kernel vs reference (same tiles, same smoothing centers) on shapes that cut tiles raggedly."""
     rows = []
@@ -61,16 +72,18 @@ def check(dtype):
             q, k, v = outlier_qkv(case["b"], case["hq"], max(case["nq"], case["nk"]), case["d"], kv_heads=case["hk"],
                                   seed=len(rows), dtype=dtype, device="cuda")
             q, k, v = q[:, :, :case["nq"]], k[:, :, :case["nk"]], v[:, :, :case["nk"]]
+            hf_qattn.reset_fallback_stats()
             out, lse = hf_qattn.qattn(q, k, v, is_causal=case["causal"], qk=qk, return_lse=True)
-            config = tuning.attention_config(tuning.arch_of(q.device), case["d"], case["causal"], "fp8", qk)
-            ref, ref_lse = reference.quantized_attention(
-                q, k, v, is_causal=case["causal"], qk=qk, return_lse=True, **tuning.reference_settings(config))
+            path = next(iter(hf_qattn.fallback_stats()["calls"]), "?")
+            ran_qk, settings = reference_settings_for(q, case["d"], case["causal"], qk)
+            ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=case["causal"], qk=ran_qk,
+                                                         return_lse=True, **settings)
             exact = reference.exact_attention(q, k, v, is_causal=case["causal"])
             diff = (out.float() - ref.float()).abs()
             tol = 0.02 * ref.float().abs().amax().item()  # a couple of FP8 steps of the largest output
             rows.append({
-                **case, "qk": qk, "max|kern-ref|": diff.max().item(), "frac>tol": (diff > tol).float().mean().item(),
-                "max|lse diff|": (lse - ref_lse).abs().max().item(),
+                **case, "qk": qk, "path": path, "ran": ran_qk, "max|kern-ref|": diff.max().item(),
+                "frac>tol": (diff > tol).float().mean().item(), "max|lse diff|": (lse - ref_lse).abs().max().item(),
                 "kern RelL1": accuracy(out, exact).rel_l1, "ref RelL1": accuracy(ref, exact).rel_l1,
             })
     return rows
@@ -115,29 +128,34 @@ def time_ms(fn):
         return float("nan")
 
 
-def speed_rows(dtypes, dims, lengths, batch=4, heads=32):
+# (label, batch, heads, N, d) of the video/image models' attention (bf16)
+MODEL_SHAPES = [("CogVideoX-5B-like", 2, 48, 17776, 64), ("Wan-14B-720p-like", 1, 40, 75600, 128),
+                ("Flux-1024-like", 1, 24, 4608, 128)]
+
+
+def speed_rows(shapes, batch=4, heads=32):
+    """shapes: (label, dtype, d, causal, N[, batch, heads]) tuples; qattn includes its quantization passes."""
     rows = []
-    for dtype in dtypes:
-        for d in dims:
-            for causal in (False, True):
-                for n in lengths:
-                    q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3))
-                    flops = 4 * batch * heads * n * n * d * (0.5 if causal else 1.0)
-                    methods = {
-                        "qattn-8b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int8"),
-                        "qattn-4b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int4"),
-                        "cudnn": sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal),
-                        "flash": sdpa_with(SDPA.FLASH_ATTENTION, q, k, v, causal),
-                    }
-                    if sageattn is not None:
-                        methods["sage1"] = lambda: sageattn(q, k, v, is_causal=causal)
-                    row = {"dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
-                    for name, fn in methods.items():
-                        ms = time_ms(fn)
-                        row[name] = flops / (ms * 1e-3) / 1e12
-                    rows.append(row)
-                    log("   ", fmt_row(row, list(methods)))
-                    del q, k, v
+    for label, dtype, d, causal, n, *bh in shapes:
+        b, h = bh if bh else (batch, heads)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+        flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+        methods = {
+            "qattn-8b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int8"),
+            "qattn-4b": lambda: hf_qattn.qattn(q, k, v, is_causal=causal, qk="int4"),
+            "cudnn": sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal),
+            "flash": sdpa_with(SDPA.FLASH_ATTENTION, q, k, v, causal),
+        }
+        if sageattn is not None:
+            methods["sage1"] = lambda: sageattn(q, k, v, is_causal=causal)
+        row = {"shape": label or f"B{b} H{h}", "dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
+        for name, fn in methods.items():
+            ms = time_ms(fn)
+            row[name] = flops / (ms * 1e-3) / 1e12
+        row["8b/cudnn"] = row["qattn-8b"] / row["cudnn"]
+        rows.append(row)
+        log("   ", fmt_row(row, list(methods) + ["8b/cudnn"]))
+        del q, k, v
     return rows
 
 
@@ -155,10 +173,11 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                 common = dict(sm_scale=d ** -0.5, qk="int8", smooth_q=True, smooth_k=True, smooth_v=True)
                 config = tuning.hopper_config(d)
 
-                def prepass():
+                def prepass(num_warps=None):
                     return launch.quantize_kv(q, k, v, v_fp8=True, kv_start=None, kv_end=None,
                                               block_n=config["BLOCK_N"], k_token_scale=False, v_channel_scale=True,
-                                              permute_v=True, **common)
+                                              permute_v=True, num_warps=num_warps or config["KV_PASS_WARPS"],
+                                              **common)
                 kv = prepass()
                 kv_bytes = 2 * k.numel() * k.element_size()
                 copy_src, copy_dst = torch.cat([k, v]), torch.empty(2 * k.numel(), dtype=dtype, device="cuda")
@@ -169,6 +188,10 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                         **common)),
                     "gluon-8b": time_ms(lambda: launch.hopper_attention(
                         q, k, v, out, is_causal=causal, kv_start=None, kv_end=None, return_lse=False, **common)),
+                    # the same call replayed from a CUDA graph: GPU time without Python and launch gaps
+                    "gluon-8b-graph": triton.testing.do_bench_cudagraph(lambda: launch.hopper_attention(
+                        q, k, v, out, is_causal=causal, kv_start=None, kv_end=None, return_lse=False, **common),
+                        rep=100, return_mode="median"),
                     "gluon-kernel": time_ms(lambda: launch.hopper_kernel_launch(
                         q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
                         return_lse=False, stages=config["STAGES"], pingpong=config["PINGPONG"])),
@@ -176,14 +199,18 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                         q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
                         return_lse=False, stages=config["STAGES"], pingpong=not config["PINGPONG"])),
                     "prepass": time_ms(prepass),
+                    "centers": time_ms(lambda: launch.smoothing_centers(q, k, v, True, True, True)),
+                    **{f"prepass-w{w}": time_ms(lambda: prepass(w)) for w in (8, 16)},
                     "copy": time_ms(lambda: copy_dst.copy_(copy_src.view(-1))),
                 }
                 row = {"dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
                 row.update({name: flops / (times[name] * 1e-3) / 1e12 for name in
-                            ("cudnn", "triton-8b", "gluon-8b", "gluon-kernel", "kernel-other")})
+                            ("cudnn", "triton-8b", "gluon-8b", "gluon-8b-graph", "gluon-kernel", "kernel-other")})
                 row["gluon/cudnn"] = row["gluon-8b"] / row["cudnn"]
                 row["kernel/cudnn"] = row["gluon-kernel"] / row["cudnn"]
                 row["prepass_ms"] = times["prepass"]
+                row["centers_ms"] = times["centers"]
+                row.update({f"prepass-w{w}_ms": times[f"prepass-w{w}"] for w in (8, 16)})
                 # the K/V pass reads K and V (V twice: max, then quantize) and writes 1 byte a value
                 row["prepass GB/s"] = (kv_bytes * 1.5 + kv_bytes / 2) / (times["prepass"] * 1e-3) / 1e9
                 row["copy GB/s"] = 2 * kv_bytes / (times["copy"] * 1e-3) / 1e9
@@ -250,7 +277,7 @@ def fmt(value):
 
 
 def fmt_row(row, keys):
-    return " ".join(f"{key}={fmt(row[key])}" for key in ["dtype", "d", "causal", "N"] + keys if key in row)
+    return " ".join(f"{key}={fmt(row[key])}" for key in ["shape", "dtype", "d", "causal", "N"] + keys if key in row)
 
 
 def markdown(rows):
@@ -328,18 +355,23 @@ def main():
         log(json.dumps(rules))
         save()
 
-    if not args.skip_speed:
-        log("== stage times")
-        stages = [stage_times(torch.float16, n=n) for n in (1024, 8192)]
-        for row in stages:
-            log("   ", row)
-        sections.append("## Where one call's time goes (fp16)\n\n" + markdown(stages))
+    if not args.skip_speed and torch.cuda.get_device_capability() == (9, 0):
+        log("== sm90 Gluon kernel: K/V pass and kernel apart")
+        lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+        hopper = hopper_rows(torch.float16, [64, 128], lengths)
+        sections.append("## sm90 Gluon kernel: its two steps apart (fp16, B4 H32; TOPS; causal counts half)\n\n"
+                        + markdown(hopper))
         save()
+    if not args.skip_speed:
         log("== speed (TOPS)")
         if args.quick:
-            speed = speed_rows([torch.float16], [128], [1024, 8192])
+            shapes = [("", torch.float16, 128, False, n) for n in (1024, 8192)]
         else:
-            speed = speed_rows([torch.float16, torch.bfloat16], [64, 128], [1024, 2048, 4096, 8192, 16384, 32768])
+            shapes = [("", torch.float16, d, causal, n) for d in (64, 128) for causal in (False, True)
+                      for n in (1024, 2048, 4096, 8192, 16384, 32768)]
+            shapes += [("", torch.bfloat16, 128, causal, n) for causal in (False, True) for n in (1024, 8192, 32768)]
+            shapes += [(label, torch.bfloat16, d, False, n, b, h) for label, b, h, n, d in MODEL_SHAPES]
+        speed = speed_rows(shapes)
         sections.append("## Speed, TOPS (B4 H32; causal counts half the FLOPs; qattn includes quantization)\n\n"
                         + markdown(speed))
         log("\n" + markdown(speed))

@@ -62,7 +62,7 @@ class QuantizedKV:
 
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
-                permute_v: bool = False) -> QuantizedKV:
+                permute_v: bool = False, num_warps: int | None = None) -> QuantizedKV:
     """Centers, then one pass over K and V (plus, for per-channel V scales, one read of V before it)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -78,18 +78,18 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
     if v_channel_scale:
         vs = torch.zeros(b * hk, d_pad, device=device, dtype=torch.float32)
         v_absmax_kernel[(tiles, b * hk)](v, v_bar, vs, *v.stride(), hk, nk, HEAD_DIM=d, D_PAD=d_pad,
-                                         BLOCK_N=block_n, num_warps=tuning.quantize_num_warps(block_n, d))
+                                         BLOCK_N=block_n, num_warps=num_warps or tuning.quantize_num_warps(block_n, d))
     else:
         vs = torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
     has_range = kv_start is not None or kv_end is not None
+    num_warps = num_warps or tuning.quantize_num_warps(block_n, d)
     quantize_kv_kernel[(tiles, b * hk)](
         k, v, k_bar, v_bar, q_bar, kv_start, kv_end, kq, ks, vq, vs, ds,
         *k.stride(), *v.stride(),
         hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
         K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
-        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(),
-        num_warps=tuning.quantize_num_warps(block_n, d),
+        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), num_warps=num_warps,
     )
     return QuantizedKV(kq, ks, vq, vs, ds, q_bar, k_bar, v_bar, nk_pad, tiles)
 
@@ -173,7 +173,7 @@ def hopper_attention(
     kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
-                     k_token_scale=False, v_channel_scale=True, permute_v=True)
+                     k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"])
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
                                 pingpong=config["PINGPONG"])
