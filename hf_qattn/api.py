@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Literal
 
 import torch
@@ -39,6 +40,16 @@ def _check_range(name: str, t: torch.Tensor | None, batch: int, nk: int, device:
         raise ValueError(f"{name} values must lie in [0, {nk}] (the key length)")
 
 
+def _check_sm_scale(sm_scale) -> float | None:
+    if sm_scale is None:
+        return None
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise ValueError(f"sm_scale must be a finite real number or None; got {type(sm_scale).__name__} {sm_scale!r}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite real number or None; got {sm_scale!r}")
+    return float(sm_scale)
+
+
 def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     _choice("qk", qk, QK_CHOICES)
     _choice("pv", pv, PV_CHOICES)
@@ -61,15 +72,35 @@ def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
         raise ValueError(f"q, k and v must have the same batch size; got {b}, {bk}, {bv}")
     if not (d == dk == dv):
         raise ValueError(f"q, k and v must have the same head_dim; got {d}, {dk}, {dv}")
-    if d == 0:
-        raise ValueError("head_dim must be at least 1")
     if (hk, nk) != (hv, nv):
         raise ValueError(f"k and v must have the same heads and tokens; got {(hk, nk)} and {(hv, nv)}")
-    if hk == 0 or hq % hk:
-        raise ValueError(f"q's heads ({hq}) must be a positive multiple of k/v's heads ({hk})")
+    if (hk == 0 and hq != 0) or (hk != 0 and hq % hk):
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({hk}), and k/v need a head when q has one")
     _check_range("kv_start", kv_start, b, nk, q.device)
     _check_range("kv_end", kv_end, b, nk, q.device)
+    # start > end: an error where checking is free (CPU tensors); on a GPU a check would wait for the
+    # device, so the kernels read such a range as empty (zeros, lse -inf) and values are clamped to [0, Nk]
+    if kv_start is not None and kv_end is not None and kv_start.device.type == "cpu":
+        bad = (kv_start > kv_end).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"kv_start must not exceed kv_end; sequence {bad[0]} has kv_start "
+                             f"{int(kv_start[bad[0]])} > kv_end {int(kv_end[bad[0]])}")
     return hnd
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _empty_result(qh, kh, vh, *, is_causal, sm_scale, kv_start, kv_end, return_lse):
+    """The result of a call with a zero-size dimension, in HND and float32, computed by plain attention
+    (no launch): empty, or zeros with lse -inf for rows that see no key (Nk = 0); with head_dim 0 the
+    scores are all 0, so lse is log(visible keys)."""
+    b, hq, nq, d = qh.shape
+    if kh.shape[1] == 0:  # no heads at all (Hq = Hk = 0)
+        return qh.new_zeros(b, 0, nq, d, dtype=torch.float32), qh.new_zeros(b, 0, nq, dtype=torch.float32)
+    return reference.exact_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale if d else 1.0,
+                                     kv_start=kv_start, kv_end=kv_end, return_lse=True, dtype=torch.float32)
 
 
 def qattn(
@@ -106,21 +137,32 @@ def qattn(
         backend: ``"auto"`` (kernels on capable GPUs, reference on CPU), or force one path.
 
     Returns the output in q's layout, shape and dtype; with ``return_lse``, ``(out, lse)``.
-    Rows that see no key give zeros (lse −inf).
+    Rows that see no key give zeros (lse −inf). NaN or ±Inf in q, k or v comes out NaN in the rows
+    it reaches (with smoothing on, through the centers, that can be the whole head), never zeros.
+    A call with a zero-size dimension returns its (empty or zero) result without a launch, uncounted.
+    Inference only: with gradients required, ``"auto"`` falls back to SDPA (counted), a forced
+    backend raises ``RuntimeError``.
     """
     qh, kh, vh = _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    sm_scale = _check_sm_scale(sm_scale)
     b, hq, nq, d = qh.shape
     nk = kh.shape[2]
-    if nq == 0 or nk == 0:  # nothing to attend: zeros (and lse −inf), as FlashAttention
-        out = torch.zeros_like(q)
-        lse = torch.full((b, hq, nq), -math.inf, device=q.device)
+    if qh.numel() == 0 or kh.numel() == 0:  # a zero-size dimension: nothing to launch
+        out, lse = _empty_result(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, kv_start=kv_start,
+                                 kv_end=kv_end, return_lse=return_lse)
+        out = out.to(q.dtype)
+        out = out if layout == "HND" else out.transpose(1, 2).contiguous()
         return (out, lse) if return_lse else out
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    if q.device.type == "cuda":  # see _validate: no check that would wait for the GPU, a well-defined range instead
+        kv_start = None if kv_start is None else kv_start.clamp(0, nk)
+        kv_end = None if kv_end is None else kv_end.clamp(0, nk)
 
     if backend == "auto":
         qk = support.effective_qk(q, qk)  # int4 runs INT8 on Hopper (no INT4 tensor cores there)
-    path, reason = support.select_path(q, backend, qk, pv)
+    gap = support.REASON_GRAD if _needs_grad(q, k, v) else None
+    path, reason = support.select_path(q, backend, qk, pv, gap=gap)
     if reason is not None:
         stats.record_fallback(reason, path)
     else:
@@ -150,6 +192,9 @@ def qattn(
                                           kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
     else:
         from hf_qattn.kernels.tuning import attention_config, reference_settings
+
+        # torch sums in an order that depends on strides: contiguous HND views make both layouts bit-identical
+        qh, kh, vh = (t.contiguous() for t in (qh, kh, vh))
 
         # the tiles the H100 runs, so a CPU result is what the GPU kernels would compute
         settings = reference_settings(attention_config("sm90", d, is_causal, pv, qk))

@@ -114,15 +114,16 @@ def quantized_attention(
         acc = acc * alpha[..., None] + tile_out * dv_scale[:, :, tile][:, :, None, :]
         m = m_new
 
-    seen = l > 0
+    # l is 0 exactly for rows that saw no key; NaN (from NaN/±Inf inputs) must stay NaN, not become zeros
+    seen = l != 0
     v_bar = _repeat_kv(v_bar[:, :, None], groups)
-    out = torch.where(seen[..., None], acc / l.clamp_min(1e-30)[..., None] + v_bar, 0.0)
+    out = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None] + v_bar, 0.0)
     out = out.to(q.dtype)
     if not return_lse:
         return out
     k_bar_q = _repeat_kv(k_bar[:, :, None], groups)[:, :, 0]
     shift = torch.einsum("bhnd,bhd->bhn", qf, k_bar_q) * scale
-    lse = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30)) - p_log2) / LOG2E + shift, -math.inf)
+    lse = torch.where(seen, (m + torch.log2(torch.where(seen, l, 1.0)) - p_log2) / LOG2E + shift, -math.inf)
     return out, lse
 
 

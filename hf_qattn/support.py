@@ -154,14 +154,21 @@ KERNEL_PATHS: dict[str, KernelPath] = {
 BACKENDS = ("auto", *KERNEL_PATHS)
 
 
-def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: str = "fp8") -> tuple[str, str | None]:
+def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: str = "fp8",
+                gap: str | None = None) -> tuple[str, str | None]:
     """(path, None) for the quantized path that serves a call on ``q``, or (``"sdpa"``, reason).
 
     ``backend="auto"`` takes the first path of :data:`KERNEL_PATHS` made for q's device type that can
     serve the call, else falls back to SDPA with the reason the last one gave (a path passed over for
     a later one is no fallback: the Hopper kernel hands d > 128 to the Triton kernel silently). A
-    forced backend that cannot serve the call raises ``RuntimeError``.
+    forced backend that cannot serve the call raises ``RuntimeError``. ``gap`` is a reason no
+    quantized path serves the call on any device (:func:`call_gap`, e.g. :data:`REASON_GRAD`): SDPA
+    with that reason under ``"auto"``, ``RuntimeError`` for a forced backend — the same on every path.
     """
+    if gap is not None:
+        if backend != "auto":
+            raise RuntimeError(f"backend={backend!r} cannot serve this call: {gap}")
+        return SDPA, gap
     if backend != "auto":
         gap = KERNEL_PATHS[backend].gap(q, qk, pv)
         if gap is not None:
