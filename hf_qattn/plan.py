@@ -23,6 +23,8 @@ floor(s · num_steps / S): the plan is read by relative position in the denoisin
 from __future__ import annotations
 
 import math
+import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
@@ -52,15 +54,44 @@ def _precision(value, where: str) -> str:
     return value
 
 
+_CANONICAL_INT = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
 def _index(key, where: str, limit: int | None) -> int:
-    try:
+    """A layer or step index: an int, or its canonical decimal string as JSON keeps it ("3"; not "03",
+    " 3", 3.0 or True, which would not round-trip or would alias another key)."""
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
         index = int(key)
-    except (TypeError, ValueError):
-        raise PlanError(f"{where}: index must be an integer; got {key!r}") from None
+    elif isinstance(key, str) and _CANONICAL_INT.fullmatch(key):
+        index = int(key)
+    else:
+        raise PlanError(f"{where}: index must be an integer or its decimal string ('3', not '03' or 3.0); "
+                        f"got {key!r}")
     if index < 0 or (limit is not None and index >= limit):
         bound = f"[0, {limit})" if limit is not None else ">= 0"
         raise PlanError(f"{where}: index {index} out of range {bound}")
     return index
+
+
+def _indexed(entries, where: str, limit: int | None) -> dict:
+    """``entries`` with canonical int keys; two keys naming one index (1 and "1") are an error."""
+    if not isinstance(entries, Mapping):
+        raise PlanError(f"{where} must be a dict of index → entry; got {type(entries).__name__}")
+    out, spelled = {}, {}
+    for key, value in entries.items():
+        index = _index(key, where, limit)
+        if index in out:
+            raise PlanError(f"{where}: index {index} is given twice (keys {spelled[index]!r} and {key!r})")
+        out[index], spelled[index] = value, key
+    return out
+
+
+def _count(value, where: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise PlanError(f"{where} must be a positive integer or null; got {value!r}")
+    return int(value)
 
 
 @dataclass
@@ -89,17 +120,25 @@ class QAttnPlan:
 
     # -- checks and (de)serialization ----------------------------------------------------------
     def validate(self, num_layers: int | None = None) -> "QAttnPlan":
-        """Raise PlanError on anything malformed; ``num_layers`` bounds layer indices if given."""
+        """Raise PlanError on anything malformed; ``num_layers`` bounds layer indices if given.
+
+        Normalizes in place: index keys become ints (``"3"`` and ``3`` are one key; both at once is an
+        error), legacy precision spellings their current names.
+        """
+        self.num_layers = _count(self.num_layers, "qattn_plan.num_layers")
+        self.num_steps = _count(self.num_steps, "qattn_plan.num_steps")
+        num_layers = _count(num_layers, "num_layers")
+        if not isinstance(self.meta, Mapping):
+            raise PlanError(f"qattn_plan.meta must be a dict; got {type(self.meta).__name__}")
         limit = num_layers if num_layers is not None else self.num_layers
         self.default = _precision(self.default, "qattn_plan.default")
-        for layer, prec in self.layers.items():
-            _index(layer, "qattn_plan.layers", limit)
-            self.layers[layer] = _precision(prec, f"qattn_plan.layers[{layer}]")
-        for step, entries in self.steps.items():
-            _index(step, "qattn_plan.steps", self.num_steps)
-            for layer, prec in entries.items():
-                _index(layer, f"qattn_plan.steps[{step}]", limit)
-                entries[layer] = _precision(prec, f"qattn_plan.steps[{step}][{layer}]")
+        self.layers = {layer: _precision(prec, f"qattn_plan.layers[{layer}]")
+                       for layer, prec in _indexed(self.layers, "qattn_plan.layers", limit).items()}
+        steps = {}
+        for step, entries in _indexed(self.steps, "qattn_plan.steps", self.num_steps).items():
+            steps[step] = {layer: _precision(prec, f"qattn_plan.steps[{step}][{layer}]")
+                           for layer, prec in _indexed(entries, f"qattn_plan.steps[{step}]", limit).items()}
+        self.steps = steps
         return self
 
     def to_dict(self) -> dict:
@@ -128,19 +167,10 @@ class QAttnPlan:
         for key in ("layers", "steps", "meta"):
             if not isinstance(data.get(key, {}), Mapping):
                 raise PlanError(f"qattn_plan.{key} must be a dict")
-        for key in ("num_layers", "num_steps"):
-            value = data.get(key)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise PlanError(f"qattn_plan.{key} must be a positive integer or null; got {value!r}")
-        steps = data.get("steps", {})
-        for step, entries in steps.items():
-            if not isinstance(entries, Mapping):
-                raise PlanError(f"qattn_plan.steps[{step}] must be a dict of layer → precision")
-        plan = cls(
+        plan = cls(  # the constructor checks types and indices (validate)
             default=data.get("default", DEFAULT_PRECISION),
-            layers={_index(k, "qattn_plan.layers", None): v for k, v in data.get("layers", {}).items()},
-            steps={_index(s, "qattn_plan.steps", None): {_index(k, f"qattn_plan.steps[{s}]", None): v
-                                                         for k, v in e.items()} for s, e in steps.items()},
+            layers=dict(data.get("layers", {})),
+            steps={s: (dict(e) if isinstance(e, Mapping) else e) for s, e in data.get("steps", {}).items()},
             num_layers=data.get("num_layers"),
             num_steps=data.get("num_steps"),
             meta=dict(data.get("meta", {})),
@@ -160,9 +190,15 @@ class QAttnPlan:
         """The paper's mixing rule: the lowest-scoring ``ratio`` share of entries → int8, the rest int4.
 
         Keys are layer indices, or (step, layer) pairs for diffusion. ``round(ratio · n)``
-        entries are marked (ties broken by key order, so the result is deterministic).
+        entries are marked (ties broken by key order, so the result is deterministic). A score that
+        is not a number, or NaN (which would rank by dict order), raises ``ValueError`` naming the entry.
         """
         check_ratio(ratio)
+        for key, score in scores.items():
+            what = f"(step, layer) {key}" if isinstance(key, tuple) else f"layer {key}"
+            if isinstance(score, bool) or not isinstance(score, numbers.Real) or math.isnan(score):
+                raise ValueError(f"the score of {what} must be a number, not NaN; got {score!r} "
+                                 "(a NaN score usually means the calibration saw non-finite activations)")
         ranked = sorted(scores, key=lambda key: (scores[key], str(key)))
         marked = set(ranked[: round(ratio * len(ranked))])
         layers: dict[int, str] = {}
@@ -170,9 +206,9 @@ class QAttnPlan:
         for key in scores:
             prec = "int8" if key in marked else "int4"
             if isinstance(key, tuple):
-                steps.setdefault(int(key[0]), {})[int(key[1])] = prec
+                steps.setdefault(_index(key[0], "steps", None), {})[_index(key[1], f"steps[{key[0]}]", None)] = prec
             else:
-                layers[int(key)] = prec
+                layers[_index(key, "layers", None)] = prec
         return cls(default="int4", layers=layers, steps=steps, num_layers=num_layers, num_steps=num_steps,
                    meta={"ratio": ratio, **(meta or {})})
 

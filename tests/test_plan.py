@@ -114,14 +114,18 @@ BAD_PLANS = [
 
 
 @pytest.mark.parametrize("bad, message", BAD_PLANS)
-def test_bad_plan_fails_at_load(bad, message, tiny_model, tmp_path):
+def test_bad_plan_fails_at_load(bad, message, tiny_model, tmp_path, monkeypatch):
+    from hf_qattn.integrations.transformers import registration
+
+    monkeypatch.setattr(registration, "_warned", set())
     tiny_model("llama").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config[PLAN_CONFIG_KEY] = bad
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlanError, match=message):
         AutoModel.from_pretrained(tmp_path, attn_implementation="qattn")
-    with pytest.raises(PlanError, match="config.qattn_plan is invalid"):  # whatever the attention, at load
+    # a model that does not run qattn never reads the plan: it loads, with a warning (issue 15, item 7)
+    with pytest.warns(RuntimeWarning, match="config.qattn_plan is invalid"):
         AutoModel.from_pretrained(tmp_path)
 
 
@@ -131,7 +135,7 @@ def test_bad_plan_fails_at_construction():
     config = LlamaConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                          vocab_size=16, qattn_plan={"version": 1, "layers": {"2": "int8"}})
     with pytest.raises(PlanError, match=r"LlamaModel: config.qattn_plan is invalid.*index 2 out of range"):
-        AutoModel.from_config(config)
+        AutoModel.from_config(config, attn_implementation="qattn")
 
 
 def test_plan_error_is_a_value_error():

@@ -13,9 +13,11 @@ After that ``from_pretrained(path, attn_implementation="qattn")`` and
 The same registration wraps ``PreTrainedModel.post_init`` once (:func:`on_model_init`): every
 model construction — ``from_pretrained``, ``from_config``, a plain constructor — validates
 ``config.qattn_plan`` when present (version, precisions, layer indices against
-``num_hidden_layers``) and raises :class:`hf_qattn.PlanError` there, at load, never at the first
-forward; it also numbers the attention modules of models that have no ``layer_idx`` (ViT, ...).
-The plan is applied whenever the model runs with ``attn_implementation="qattn"``.
+``num_hidden_layers``). A model that uses qattn raises :class:`hf_qattn.PlanError` there, at load,
+never at the first forward; any other model (``"sdpa"``, ``"eager"``, ...) never reads the plan,
+so it loads with a warning, once per message. ``set_attn_implementation("qattn")`` checks the plan
+again and raises. The hook also numbers the attention modules of models that have no
+``layer_idx`` (ViT, ...). The plan is applied whenever the model runs with ``attn_implementation="qattn"``.
 """
 
 from __future__ import annotations
@@ -47,19 +49,50 @@ def _stamp_layer_indices(model) -> None:
         module._qattn_layer_idx = index
 
 
+def uses_qattn(config) -> bool:
+    """Whether a model with this config runs qattn (itself, or its text model for composite configs)."""
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for cfg in configs:
+        implementation = getattr(cfg, "_attn_implementation", None)
+        values = implementation.values() if isinstance(implementation, dict) else [implementation]
+        if ATTN_IMPLEMENTATION in values:
+            return True
+    return False
+
+
+_warned: set[str] = set()
+
+
+def check_plan(model, *, strict: bool) -> None:
+    """Validate ``model.config.qattn_plan``: PlanError when ``strict``, else a warning once per message."""
+    config = getattr(model, "config", None)
+    data = getattr(config, PLAN_CONFIG_KEY, None) if config is not None else None
+    if data is None:
+        return
+    try:
+        plan = plan_from_config(config)
+    except PlanError as error:
+        message = f"{type(model).__name__}: config.{PLAN_CONFIG_KEY} is invalid: {error}"
+        if strict:
+            raise PlanError(message) from None
+        if message not in _warned:
+            _warned.add(message)
+            warnings.warn(f"hf_qattn: {message} (ignored: this model does not run qattn attention; it would "
+                          "fail with attn_implementation='qattn')", RuntimeWarning, stacklevel=4)
+        return
+    if isinstance(data, QAttnPlan):  # keep config.json serializable
+        setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
+
+
 def on_model_init(model) -> None:
-    """Run after every ``PreTrainedModel.post_init``: a malformed plan fails here, at load."""
+    """Run after every ``PreTrainedModel.post_init``: a malformed plan fails here, at load, for a model
+    that runs qattn; other models only warn (they never read the plan)."""
     config = getattr(model, "config", None)
     if config is None:
         return
-    data = getattr(config, PLAN_CONFIG_KEY, None)
-    if data is not None:
-        try:
-            plan = plan_from_config(config)
-        except PlanError as error:
-            raise PlanError(f"{type(model).__name__}: config.{PLAN_CONFIG_KEY} is invalid: {error}") from None
-        if isinstance(data, QAttnPlan):  # keep config.json serializable
-            setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
+    check_plan(model, strict=uses_qattn(config))
     _stamp_layer_indices(model)
 
 
@@ -76,6 +109,20 @@ def _wrap_post_init(pretrained_model_class) -> None:
 
     post_init._hf_qattn_wrapped = True
     pretrained_model_class.post_init = post_init
+
+    original_set = getattr(pretrained_model_class, "set_attn_implementation", None)
+    if original_set is None or getattr(original_set, "_hf_qattn_wrapped", False):
+        return
+
+    @functools.wraps(original_set)
+    def set_attn_implementation(self, *args, **kwargs):
+        result = original_set(self, *args, **kwargs)
+        if uses_qattn(self.config):  # the plan now matters: fail here, not at the first forward
+            check_plan(self, strict=True)
+        return result
+
+    set_attn_implementation._hf_qattn_wrapped = True
+    pretrained_model_class.set_attn_implementation = set_attn_implementation
 
 
 # ------------------------------------------------------------------------------------------------
