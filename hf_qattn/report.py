@@ -1,8 +1,9 @@
 """The calibration plots, in one style: matplotlib's object API on an Agg canvas (pyplot's state is left
 alone), the same score label, the int8 entries of the plan marked.
 
-- :func:`plot_layer_scores`: a bar per layer (mean INT4 score, worst input as a tick), for
-  :func:`hf_qattn.calibrate`'s result;
+- :func:`plot_layer_scores`: a point per layer (mean INT4 score, worst input as a tick, joined by a
+  line), for :func:`hf_qattn.calibrate`'s result. Points, not bars: the scores sit near 1, so the axis
+  is zoomed, and a bar on a zoomed axis would show its length, not its value, as the difference;
 - :func:`plot_scores`: a step × layer heatmap (mean and worst), for
   :func:`hf_qattn.calibrate_pipeline`'s result or a plan it saved (its meta keeps the scores).
 
@@ -18,6 +19,7 @@ from .plan import QAttnPlan
 from .scoring import METRIC
 
 SCORE_LABEL = f"INT4 score ({METRIC})"
+LAYER_SCORE_LABEL = f"{SCORE_LABEL}\n1 = exact, higher is better (axis zoomed)"
 
 
 def _figure(figsize, **options):
@@ -32,27 +34,36 @@ def _figure(figsize, **options):
     return figure
 
 
-def plot_layer_scores(result, path, title: str):
-    """Bar chart of the mean INT4 score per layer (worst as a tick), int8 layers marked. Returns the path."""
+def layer_scores_figure(result, title: str):
+    """The figure :func:`plot_layer_scores` saves: per layer, the mean INT4 score as a point and the worst
+    input as a tick joined to it, int8 layers in orange; the y axis zoomed onto the scores (labelled so)."""
     layers = sorted(result.scores)
-    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.6), layout="tight")
-    from matplotlib.patches import Patch
+    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.8), layout="tight")
+    from matplotlib.lines import Line2D
 
     means = [result.scores[layer].mean for layer in layers]
     worst = [result.scores[layer].worst for layer in layers]
     colors = ["tab:orange" if result.plan.precision(layer) == "int8" else "tab:blue" for layer in layers]
     ax = figure.subplots()
-    ax.bar(layers, means, color=colors)
-    ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3, label="worst input")
+    ax.vlines(layers, worst, means, colors=colors, linewidth=1.5)
+    ax.scatter(layers, means, c=colors, s=40, zorder=3)
+    ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3)
     low = min(worst + means)
     ax.set_ylim(max(0.0, low - 0.3 * (1.0 - low) - 1e-4), 1.0)
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
     ax.set_xlabel("layer")
-    ax.set_ylabel(SCORE_LABEL)
+    ax.set_ylabel(LAYER_SCORE_LABEL, fontsize=8)
     ax.set_title(title, fontsize=10)
-    handles = [Patch(color="tab:orange", label="int8 (plan)"), Patch(color="tab:blue", label="int4 (plan)"),
-               ax.get_legend_handles_labels()[0][0]]
+    handles = [Line2D([], [], color=color, marker="o", linestyle="", label=label)
+               for color, label in (("tab:orange", "int8 (plan)"), ("tab:blue", "int4 (plan)"))]
+    handles.append(Line2D([], [], color="black", marker="_", linestyle="", markersize=12, label="worst input"))
     ax.legend(handles=handles, loc="lower right", fontsize=8)
-    figure.savefig(path, dpi=120)
+    return figure
+
+
+def plot_layer_scores(result, path, title: str):
+    """Save :func:`layer_scores_figure` as a PNG. Returns the path."""
+    layer_scores_figure(result, title).savefig(path, dpi=120)
     return path
 
 

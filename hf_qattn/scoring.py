@@ -19,6 +19,9 @@ from .reference import sdpa_attention
 
 CALIBRATION_QK = "int4"  # calibration scores the 4-bit kernel; the lowest scores get int8
 METRIC = "cos_sim*(1-rel_l1)"
+# What a score is, for people reading a table or a plot of them
+SCORE_MEANING = ("INT4 score = CosSim·(1 − RelL1) of 4-bit attention against full precision on the layer's own "
+                 "inputs: 1 is exact, higher is better; the lowest-scoring layers are the ones marked int8")
 METHOD = "sageattn-mix"
 
 

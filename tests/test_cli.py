@@ -47,6 +47,9 @@ def test_calibrate_command_saves_model_plan_scores_and_plot(tiny_model, tmp_path
     assert (out / "tokenizer.json").is_file() or (out / "vocab.txt").is_file()
     printed = capsys.readouterr().out
     assert "int8" in printed and "qattn_plan" in printed
+    assert "6 input line(s)" in printed
+    assert "skipped 1 blank, 1 '#' comment, 1 '= heading ='" in printed  # issue 15: says what it skipped
+    assert "CosSim·(1 − RelL1)" in printed and "higher is better" in printed  # issue 15: what the score is
     reloaded = AutoModel.from_pretrained(out, attn_implementation="qattn")
     assert QAttnPlan.from_dict(getattr(reloaded.config, PLAN_CONFIG_KEY)) == plan
 
@@ -109,6 +112,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     plan = QAttnPlan.from_dict(json.loads((out / "config.json").read_text())[PLAN_CONFIG_KEY], num_layers=6)
     assert plan.count() == {"int4": 4, "int8": 2, "unquantized": 0}
     assert re.search(r"^5\s+0\.\d+\s+0\.\d+\s+20\s+int[48]$", printed, re.M)  # per-layer table
+    assert "INT4 score = CosSim·(1 − RelL1)" in printed and "higher is better" in printed  # issue 15, item 9
 
 
 def test_sample_text_is_shipped_with_its_license():

@@ -33,8 +33,17 @@ def command(add_parser):
     return add_parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line, like every other CLI error (exit status 2, as argparse's)."""
+
+    def error(self, message):
+        command = self.prog.removeprefix("hf-qattn").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"hf-qattn: error: {where}{message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-qattn", description="Quantized attention for HuggingFace models.")
+    parser = _Parser(prog="hf-qattn", description="Quantized attention for HuggingFace models.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_parser in COMMANDS:
         add_parser(subparsers)

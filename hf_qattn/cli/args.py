@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from ..plan import check_ratio
@@ -30,18 +31,55 @@ def positive_int(text: str) -> int:
     return value
 
 
-def read_text_lines(path: Path, limit: int | None = None) -> list[str]:
-    """Non-empty lines of a text file, without '#' comments and WikiText '= Heading =' lines."""
+def read_text(path, option: str) -> str:
+    """The UTF-8 text of ``path``, or a CLIError naming ``option`` (missing file, folder, not UTF-8)."""
+    path = Path(path)
     if not path.is_file():
-        raise CLIError(f"--text: no such file: {path}")
+        raise CLIError(f"{option}: no such file: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise CLIError(f"{option}: {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                       f"{error.start}); convert it, e.g. iconv -t utf-8") from None
+    except OSError as error:
+        raise CLIError(f"{option}: cannot read {path}: {error.strerror or error}") from None
+
+
+def scan_text_lines(path: Path, limit: int | None = None) -> tuple[list[str], dict[str, int]]:
+    """(the lines :func:`read_text_lines` keeps, how many it skipped by reason)."""
+    skipped = {"blank": 0, "'#' comment": 0, "'= heading ='": 0, "past --max-samples": 0}
     lines = []
-    for raw in path.read_text(encoding="utf-8").splitlines():
+    for raw in read_text(path, "--text").splitlines():
         line = raw.strip()
-        if not line or line.startswith("#") or (line.startswith("=") and line.endswith("=")):
-            continue
-        lines.append(line)
-        if limit is not None and len(lines) >= limit:
-            break
+        if not line:
+            skipped["blank"] += 1
+        elif line.startswith("#"):
+            skipped["'#' comment"] += 1
+        elif line.startswith("=") and line.endswith("="):
+            skipped["'= heading ='"] += 1
+        elif limit is not None and len(lines) >= limit:
+            skipped["past --max-samples"] += 1
+        else:
+            lines.append(line)
     if not lines:
         raise CLIError(f"--text: {path} holds no text lines")
-    return lines
+    return lines, {reason: n for reason, n in skipped.items() if n}
+
+
+def read_text_lines(path: Path, limit: int | None = None) -> list[str]:
+    """Non-empty lines of a UTF-8 text file, without '#' comments and WikiText '= Heading =' lines."""
+    return scan_text_lines(path, limit)[0]
+
+
+def check_out_dir(path, option: str = "--out") -> None:
+    """Fail now, before any model loads, if ``path`` cannot become an output folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"{option}: {path} exists and is not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CLIError(f"{option}: cannot create {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{option}: cannot write into {parent}")

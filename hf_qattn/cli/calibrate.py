@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .args import CLIError, positive_int, ratio, read_text_lines
+from .args import CLIError, check_out_dir, positive_int, ratio, scan_text_lines
 from .common import default_device, model_class, quiet_transformers, format_table, save_plot, score_rows
 
 
@@ -26,6 +26,10 @@ def _add_calibrate(subparsers) -> None:
     parser.set_defaults(func=run_calibrate)
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def run_calibrate(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -36,14 +40,20 @@ def run_calibrate(args) -> int:
     model_dir = args.model_dir
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"MODEL_DIR {model_dir} is not a transformers model folder (no config.json)")
-    texts = read_text_lines(args.text, args.max_samples)
+    texts, skipped = scan_text_lines(args.text, args.max_samples)
+    check_out_dir(args.out)
+    print(f"{len(texts)} input line(s) from {args.text}" + (
+        "; skipped " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else ""))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as error:  # noqa: BLE001 - any loading failure means the same thing here
-        raise CLIError(f"MODEL_DIR {model_dir} has no loadable tokenizer, which --text needs ({error})") from None
+        raise CLIError(f"MODEL_DIR {model_dir} has no loadable tokenizer, which --text needs ({_first_line(error)})") from None
     device = default_device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype).to(device)
+    try:
+        model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype).to(device)
+    except (OSError, ValueError) as error:
+        raise CLIError(f"MODEL_DIR {model_dir}: the model does not load: {_first_line(error)}") from None
     result = calibrate(model, texts, args.ratio, tokenizer=tokenizer, batch_size=args.batch_size,
                        max_length=args.max_length, progress=not args.no_progress)
 
@@ -54,6 +64,9 @@ def run_calibrate(args) -> int:
     (out / "scores.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     plot = save_plot(result, out / "scores.png", f"{model_dir.name}: INT4 score per layer ({len(texts)} inputs)")
 
+    from ..scoring import SCORE_MEANING
+
+    print(f"{SCORE_MEANING}; mean and worst over the inputs:")
     print(format_table(["layer", "mean", "worst", "inputs", "plan"], score_rows(result)))
     counts = result.plan.count()
     print(f"\nplan: {counts['int8']} layer(s) int8, {counts['int4']} int4 (ratio {args.ratio}); "

@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 
-from .args import CLIError, positive_int, ratio
+from .args import CLIError, check_out_dir, positive_int, ratio, read_text
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -39,9 +39,9 @@ def add_calibrate_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--ratio", type=ratio, default=0.3, metavar="R",
                         help="share of (step, layer) entries marked int8, in [0, 1] (default 0.3)")
     parser.add_argument("--out", required=True, metavar="OUT_DIR", help="output folder (created if missing)")
-    parser.add_argument("--height", type=int, help="image / video height passed to the pipeline")
-    parser.add_argument("--width", type=int, help="image / video width passed to the pipeline")
-    parser.add_argument("--num-frames", type=int, help="video frames passed to the pipeline")
+    parser.add_argument("--height", type=positive_int, help="image / video height passed to the pipeline")
+    parser.add_argument("--width", type=positive_int, help="image / video width passed to the pipeline")
+    parser.add_argument("--num-frames", type=positive_int, help="video frames passed to the pipeline")
     parser.add_argument("--guidance-scale", type=float, help="guidance scale passed to the pipeline")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompt i is SEED + i (default 0)")
     parser.add_argument("--device", help="device to run on (default: cuda when available, else cpu)")
@@ -55,12 +55,12 @@ def add_calibrate_pipeline_parser(subparsers) -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[str]:
     """Prompts from a text file (one per line) or a JSON list of strings."""
-    if not os.path.isfile(path):
-        raise CLIError(f"--prompts: no such file: {path}")
-    with open(path, encoding="utf-8") as file:
-        text = file.read()
+    text = read_text(path, "--prompts")
     if path.endswith(".json"):
-        prompts = json.loads(text)
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CLIError(f"--prompts: {path} is not valid JSON ({error})") from None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise CLIError(f"--prompts: {path} must hold a JSON list of strings")
     else:
@@ -85,17 +85,34 @@ def run_calibrate_pipeline(args: argparse.Namespace) -> int:
     Problems with the arguments raise ``hf_qattn.cli.CLIError`` (printed by ``hf-qattn``)."""
     if not os.path.isdir(args.pipeline_dir):
         raise CLIError(f"PIPELINE_DIR: no such folder: {args.pipeline_dir}")
+    if not os.path.isfile(os.path.join(args.pipeline_dir, "model_index.json")):
+        raise CLIError(f"PIPELINE_DIR: {args.pipeline_dir} is not a diffusers pipeline folder (no model_index.json; "
+                       "save one with pipe.save_pretrained)")
     prompts = read_prompts(args.prompts)
+    check_out_dir(args.out)
 
     import torch
-    from diffusers import DiffusionPipeline
+
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise CLIError(f"--device: not a torch device: {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: no CUDA device is available")
+    try:
+        from diffusers import DiffusionPipeline
+    except ImportError:
+        raise CLIError("calibrate-pipeline needs diffusers: pip install 'hf-qattn[diffusers]'") from None
 
     from ..report import plot_scores
     from ..integrations.diffusers.calibration import calibrate_pipeline
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    pipe = DiffusionPipeline.from_pretrained(args.pipeline_dir, **{_dtype_argument(): getattr(torch, dtype_name)})
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    try:
+        pipe = DiffusionPipeline.from_pretrained(args.pipeline_dir, **{_dtype_argument(): getattr(torch, dtype_name)})
+    except (OSError, ValueError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CLIError(f"PIPELINE_DIR {args.pipeline_dir}: the pipeline does not load: {first}") from None
     pipe = pipe.to(device)
     options = {name: value for name, value in (("height", args.height), ("width", args.width),
                                                ("num_frames", args.num_frames),

@@ -87,6 +87,7 @@ def run_demo(args) -> int:
     from .. import fallback_stats, reset_fallback_stats
     from ..integrations.transformers.calibration import calibrate
     from ..plan import PLAN_CONFIG_KEY, QAttnPlan
+    from ..scoring import SCORE_MEANING
 
     quiet_transformers()
     device = default_device()
@@ -125,7 +126,8 @@ def run_demo(args) -> int:
         rows.append([name, float(cosine.mean()), float(cosine.min())] + ([elapsed_ms] if timed else []))
     setattr(reloaded.config, PLAN_CONFIG_KEY, mix_plan)
 
-    print("\nINT4 score per layer on the calibration sentences, and the plan:")
+    print(f"\n{SCORE_MEANING}.\nINT4 score per layer on the calibration sentences (mean and worst sentence), "
+          "and the plan:")
     print(format_table(["layer", "mean", "worst", "inputs", "plan"], score_rows(result)))
     print(f"\nplan written to config.json ('{PLAN_CONFIG_KEY}'), saved in {where}:")
     shown = {key: mix_plan[key] for key in ("version", "default", "layers", "num_layers")}
