@@ -45,6 +45,18 @@ def record_fallback(reason: str, path: str = "sdpa") -> None:
         )
 
 
+def record_degraded(reason: str, path: str) -> None:
+    """Count ``reason`` for a call that a slower quantized ``path`` serves than this GPU has (the sm90 kernel
+    cannot be built with the installed triton, say); warned once. The call itself is counted by the caller."""
+    with _lock:
+        _fallbacks[reason] += 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(f"hf_qattn: running the {path} kernels instead: {reason} (warned once; see "
+                      "hf_qattn.fallback_stats() for counts)", RuntimeWarning, stacklevel=3)
+
+
 def fallback_stats() -> dict:
     """``{"calls": {path: n}, "fallbacks": {reason: n}}`` since start or the last reset."""
     with _lock:

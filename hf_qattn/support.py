@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from . import stats
+
 # -- the path vocabulary -------------------------------------------------------------------------
 HOPPER = "hopper"
 TRITON = "triton"
@@ -50,6 +52,8 @@ REASON_VALUE_DIM = "query/key/value head dims differ"
 REASON_HEAD_DIM = f"head_dim > {MAX_KERNEL_HEAD_DIM}"
 REASON_BATCH = "query/key/value batch sizes, or key/value heads and lengths, differ"
 REASON_HEADS = "query heads not a multiple of key/value heads"
+# an sm90 GPU whose triton cannot build the Hopper kernel: the portable kernel serves, counted and warned
+REASON_NO_GLUON = "the sm90 Gluon kernel cannot be built with the installed triton"
 
 
 def call_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout: float = 0.0) -> str | None:
@@ -117,7 +121,7 @@ def _hopper_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
     from hf_qattn.kernels.hopper.gluon_api import missing
 
     if (gap := missing()) is not None:
-        return gap
+        return f"{REASON_NO_GLUON}: {gap}"
     if q.shape[-1] > 128:
         return "head_dim > 128 (the Hopper kernel's registers)"
     if qk != "int8" or pv != "fp8":
@@ -164,6 +168,8 @@ def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: st
     forced backend that cannot serve the call raises ``RuntimeError``. ``gap`` is a reason no
     quantized path serves the call on any device (:func:`call_gap`, e.g. :data:`REASON_GRAD`): SDPA
     with that reason under ``"auto"``, ``RuntimeError`` for a forced backend — the same on every path.
+    An sm90 GPU whose triton cannot build the Hopper kernel gets the portable Triton kernel, with the
+    reason counted under ``fallbacks`` and warned once (:data:`REASON_NO_GLUON`).
     """
     if gap is not None:
         if backend != "auto":
@@ -175,9 +181,14 @@ def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: st
             raise RuntimeError(f"backend={backend!r} cannot serve this call: {gap}")
         return backend, None
     reason = f"no quantized path for {q.device.type} tensors"
+    degraded = None
     for name, path in KERNEL_PATHS.items():
         if q.device.type in path.auto_on:
             reason = path.gap(q, qk, pv)
             if reason is None:
+                if degraded is not None:  # counted and warned here; the caller counts the call as usual
+                    stats.record_degraded(degraded, name)
                 return name, None
+            if reason.startswith(REASON_NO_GLUON):
+                degraded = reason
     return SDPA, reason

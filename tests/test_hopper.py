@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -122,3 +123,18 @@ def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_config(128)["BLOCK_N"] == 128 and tuning.hopper_config(128)["STAGES"] == 3
     assert tuning.hopper_config(64)["STAGES"] == 2
     assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
+
+
+def test_sm90_without_gluon_runs_the_portable_kernel_counted_and_warned(monkeypatch):
+    import hf_qattn
+    from hf_qattn.kernels.hopper import gluon_api as api
+
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2, 8, 64))  # a query on an sm90 GPU
+    monkeypatch.setattr(support, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(api, "missing", lambda: "Gluon unavailable (ImportError: test)")
+    hf_qattn.reset_fallback_stats()
+    with pytest.warns(RuntimeWarning, match="triton kernels instead"):
+        path, reason = support.select_path(q)
+    assert (path, reason) == (support.TRITON, None)
+    (counted,) = hf_qattn.fallback_stats()["fallbacks"]
+    assert counted.startswith(support.REASON_NO_GLUON)
