@@ -9,14 +9,13 @@ and warned once per reason by :func:`hf_qattn.fallback_stats`) is chosen by
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from typing import Literal
 
 import torch
 
-from . import reference, stats, support
+from . import ops, reference, stats, support
 from .support import BACKENDS, DTYPES, MAX_KERNEL_HEAD_DIM  # noqa: F401  (re-exported)
 
 QK_CHOICES = ("int8", "int4")
@@ -36,7 +35,7 @@ def _check_range(name: str, t: torch.Tensor | None, batch: int, nk: int, device:
         raise ValueError(f"{name} must be an int32/int64 tensor of shape (batch,) = ({batch},)")
     if t.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}); got {t.device}")
-    if t.device.type == "cpu" and bool(((t < 0) | (t > nk)).any()):
+    if t.device.type == "cpu" and not torch.compiler.is_compiling() and bool(((t < 0) | (t > nk)).any()):
         raise ValueError(f"{name} values must lie in [0, {nk}] (the key length)")
 
 
@@ -80,7 +79,8 @@ def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     _check_range("kv_end", kv_end, b, nk, q.device)
     # start > end: an error where checking is free (CPU tensors); on a GPU a check would wait for the
     # device, so the kernels read such a range as empty (zeros, lse -inf) and values are clamped to [0, Nk]
-    if kv_start is not None and kv_end is not None and kv_start.device.type == "cpu":
+    if (kv_start is not None and kv_end is not None and kv_start.device.type == "cpu"
+            and not torch.compiler.is_compiling()):  # a value check: inside a compiled graph it would break it
         bad = (kv_start > kv_end).nonzero().flatten().tolist()
         if bad:
             raise ValueError(f"kv_start must not exceed kv_end; sequence {bad[0]} has kv_start "
@@ -159,49 +159,48 @@ def qattn(
         kv_start = None if kv_start is None else kv_start.clamp(0, nk)
         kv_end = None if kv_end is None else kv_end.clamp(0, nk)
 
-    if backend == "auto":
-        qk = support.effective_qk(q, qk)  # int4 runs INT8 on Hopper (no INT4 tensor cores there)
-    gap = support.REASON_GRAD if _needs_grad(q, k, v) else None
-    path, reason = support.select_path(q, backend, qk, pv, gap=gap)
-    if reason is not None:
-        stats.record_fallback(reason, path)
-    else:
-        stats.record_call(path)
-    if path == support.TRITON and pv == "fp8" and not support.has_fp8_mma(q.device):
-        pv = "fp16"  # no FP8 tensor cores (Ampere): P·V runs in FP16, as documented for ``pv``
-
-    if path in (support.HOPPER, support.TRITON):
-        from hf_qattn.kernels import launch
-
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        options = dict(is_causal=is_causal, sm_scale=sm_scale, qk=qk, smooth_q=smooth_q, smooth_k=smooth_k,
-                       smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
-        # Launch on the inputs' GPU, not the current one: Triton takes the device and stream from the
-        # current device, so a tensor on cuda:1 under cuda:0 (device_map="auto") would run on the wrong
-        # stream, racing the producer of q/k/v (measured: all-NaN logits on 2 GPUs).
-        with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-            if path == support.HOPPER:
-                lse = launch.hopper_attention(qh, kh, vh, out if layout == "HND" else out.transpose(1, 2), **options)
-            else:
-                lse = launch.quantized_attention(qh, kh, vh, out if layout == "HND" else out.transpose(1, 2),
-                                                 v_fp8=pv == "fp8", **options)
-        return (out, lse) if return_lse else out
+    path, qk, pv = (_decide_once if torch.compiler.is_compiling() else _decide)(
+        q.device.type, q.device.index, d, backend, qk, pv, support.REASON_GRAD if _needs_grad(q, k, v) else None)
 
     if path == support.SDPA:
         result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,
                                           kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
-    else:
-        from hf_qattn.kernels.tuning import attention_config, reference_settings
-
-        # torch sums in an order that depends on strides: contiguous HND views make both layouts bit-identical
-        qh, kh, vh = (t.contiguous() for t in (qh, kh, vh))
-
-        # the tiles the H100 runs, so a CPU result is what the GPU kernels would compute
-        settings = reference_settings(attention_config("sm90", d, is_causal, pv, qk))
-        result = reference.quantized_attention(
-            qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv="fp8_e4m3" if pv == "fp8" else "fp16",
-            smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end,
-            return_lse=return_lse, **settings)
-    out, lse = result if return_lse else (result, None)
-    out = out if layout == "HND" else out.transpose(1, 2).contiguous()  # q's layout, as the kernels write it
+        out, lse = result if return_lse else (result, None)
+        out = out if layout == "HND" else out.transpose(1, 2).contiguous()  # q's layout, as the kernels write it
+        return (out, lse) if return_lse else out
+    out, lse = ops.run(q, k, v, kv_start, kv_end, path=path, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv=pv,
+                       layout=layout, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+class _Probe:
+    """What :func:`hf_qattn.support.select_path` reads of q (device, head dim), without the tensor."""
+
+    def __init__(self, device: torch.device, head_dim: int):
+        self.device = device
+        self.shape = (0, 0, 0, head_dim)
+
+
+def _decide(device_type: str, device_index, head_dim: int, backend: str, qk: str, pv: str, gap):
+    """(path, qk, pv) a call runs, counted (and a fallback warned once): the policy part of ``qattn``.
+    Its arguments are plain values, so under ``torch.compile`` it runs once per traced call site."""
+    probe = _Probe(torch.device(device_type, device_index) if device_index is not None else torch.device(device_type),
+                   head_dim)
+    if backend == "auto":
+        qk = support.effective_qk(probe, qk)  # int4 runs INT8 on Hopper (no INT4 tensor cores there)
+    path, reason = support.select_path(probe, backend, qk, pv, gap=gap)
+    if reason is not None:
+        stats.record_fallback(reason, path)
+    else:
+        stats.record_call(path)
+    if path == support.TRITON and pv == "fp8" and not support.has_fp8_mma(probe.device):
+        pv = "fp16"  # no FP8 tensor cores (Ampere): P·V runs in FP16, as documented for ``pv``
+    return path, qk, pv
+
+
+@torch._dynamo.assume_constant_result
+def _decide_once(device_type: str, device_index, head_dim: int, backend: str, qk: str, pv: str, gap):
+    """:func:`_decide` under ``torch.compile``: run in Python while tracing, its answer a constant of the
+    graph (decided once per call site, counted once per compilation; a forced backend that cannot serve
+    the call raises while compiling)."""
+    return _decide(device_type, device_index, head_dim, backend, qk, pv, gap)

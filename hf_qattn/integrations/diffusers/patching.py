@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ... import stats, support
+from ... import ops, stats, support
 from ...plan import DEFAULT_PRECISION, LEGACY_SPELLINGS, PLAN_CONFIG_KEY, PRECISIONS, UNQUANTIZED, PlanError, QAttnPlan
 from .sdpa import SDPA, MaskCache, kernel_gap, run_qattn, sdpa_arguments
 from .steps import DenoisingStepTracker, SchedulerHooks
@@ -199,6 +199,11 @@ class _LayerRoute(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not SDPA:
+            if torch.compiler.is_compiling() and args and isinstance(args[0], torch.Tensor) \
+                    and getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func:
+                # a Tensor method: called as a method, which torch.compile traces (the function
+                # object of a Python-defined method such as Tensor.unflatten it cannot)
+                return getattr(args[0], func.__name__)(*args[1:], **kwargs)
             return func(*args, **kwargs)
         self.sdpa_calls += 1
         return self.denoiser.attend(self.layer, func, args, kwargs)
@@ -256,6 +261,8 @@ class _PatchedDenoiser:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_model_call(self, module, args, kwargs):
+        if torch.compiler.is_compiling() and not self.plan.steps and self.owner.recorder is None:
+            return  # a plan without steps needs no step tracking: no timestep read inside a compiled graph
         self.owner._before_model_call()
         tracker = self.owner.tracker
         if tracker.needs_timestep:
@@ -312,11 +319,13 @@ class _PatchedDenoiser:
             recorder.record(self.name, tracker.step, layer, named, keys, gap)
             return out
         if gap is not None:
-            stats.record_fallback(gap)
+            ops.record(support.SDPA, gap)
             return sdpa(*args, **kwargs)
-        precision = self.plan.precision(layer, tracker.step, tracker.total_steps)
+        # the step only matters to a plan with step entries (and read, it would specialise a compiled graph on it)
+        precision = self.plan.precision(layer, tracker.step, tracker.total_steps) if self.plan.steps \
+            else self.plan.precision(layer)
         if precision == UNQUANTIZED:
-            stats.record_call(support.UNQUANTIZED_BY_PLAN)
+            ops.record(support.UNQUANTIZED_BY_PLAN)
             return sdpa(*args, **kwargs)
         return run_qattn(named, precision, keys)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import api, cache_hook, stats, support
+from ... import api, cache_hook, ops, stats, support
 from ...masks import visible_keys
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
 from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
@@ -321,10 +321,13 @@ def calibrating(observer):
     """Within the block every qattn call returns full-precision attention and hands its Q, K, V to
     ``observer.observe(module, query, key, value, pattern, scaling)`` (or ``observer.skip(module,
     reason)`` when the kernel could not serve the call)."""
+    global _active_calibrations
     token = _calibrator.set(observer)
+    _active_calibrations += 1
     try:
         yield observer
     finally:
+        _active_calibrations -= 1
         _calibrator.reset(token)
 
 
@@ -332,10 +335,8 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function: q, k, v (B, H, N, D) in, ((B, N, H, D) output, None) out."""
     if torch.compiler.is_compiling():
-        # Inside torch.compile (transformers compiles static-cache decoding) run this call eagerly:
-        # the mask analysis reads tensor values and the kernels are launched by their own code.
-        return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                        scaling=scaling, is_causal=is_causal, **kwargs)
+        return _compiled_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, is_causal=is_causal, **kwargs)
     if cache_hook.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
         pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
         if reason is None:
@@ -367,6 +368,89 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
     out = api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
                     kv_start=pattern.kv_start, kv_end=pattern.kv_end)
     return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------------------------------------
+# inside torch.compile
+
+REASON_COMPILE_WINDOW = "under torch.compile: sliding-window layer with several queries"
+REASON_COMPILE_OFFSET = "under torch.compile: mask with more keys than queries and several queries (static-cache prefill)"
+REASON_COMPILE_HEADS = "under torch.compile: attention mask that differs per head"
+
+_active_calibrations = 0  # a plain global, so a compiled graph is guarded on it (the contextvar is not)
+
+
+def _compiled_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                is_causal=None, **kwargs):
+    """The attention function as ``torch.compile`` traces it: no graph break, no host synchronisation.
+
+    Decisions that depend only on shapes, keywords and the plan are taken while tracing (the plan is
+    read once per compilation; counts and warnings happen once per traced call site). The mask is
+    turned into causal + key range with tensor ops: the range stays a tensor, and the exactness check
+    eager mode does with a fallback becomes a tensor too — a sequence whose mask is not causal ∧ key
+    range comes out NaN rather than wrong (a fallback would need the host to read the check).
+    QAttnCache layers and calibration leave the graph (one break per layer), as before.
+    """
+    if cache_hook.is_packed(key) or _active_calibrations:
+        return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                        scaling=scaling, is_causal=is_causal, **kwargs)
+    precision = _precision_once(module)
+    if precision == UNQUANTIZED:
+        ops.record(support.UNQUANTIZED_BY_PLAN)
+        return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
+    reason = _unsupported(query, key, value, dropout, kwargs)
+    pattern, exact = None, None
+    if reason is None:
+        pattern, exact, reason = _traced_pattern(module, query, key, attention_mask, is_causal, kwargs)
+    if reason is not None:
+        ops.record(full_precision_path(kwargs), reason)
+        return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
+    if pattern.kv_len != key.shape[2]:
+        key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
+    out = api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
+                    kv_start=pattern.kv_start, kv_end=pattern.kv_end)
+    if exact is not None:
+        out = torch.where(exact.view(-1, 1, 1, 1), out, float("nan"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
+    """(pattern, exact, None) with ``exact`` a (batch,) bool tensor or None, else (None, None, reason)."""
+    if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 \
+            or attention_mask.dtype != torch.bool:
+        pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+        return pattern, None, reason
+    batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    mb, mh, mq, mk = attention_mask.shape
+    if mq != nq or mk != nk or mb not in (1, batch):
+        return None, None, REASON_MASK_SHAPE
+    if mh != 1:
+        return None, None, REASON_COMPILE_HEADS
+    if nq > 1 and (kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None):
+        return None, None, REASON_COMPILE_WINDOW
+    if nq > 1 and nq != nk:
+        return None, None, REASON_COMPILE_OFFSET
+    causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal_flag) and nq > 1
+    grid = attention_mask[:, 0]
+    seen = grid.any(dim=1)  # (B, Nk): keys some query sees
+    cols = torch.arange(nk, device=attention_mask.device)
+    kv_end = torch.where(seen, cols + 1, 0).amax(dim=-1)
+    kv_start = torch.where(kv_end > 0, torch.where(seen, cols, nk).amin(dim=-1), 0)
+    rebuilt = visible_keys(mb, nq, nk, is_causal=causal, kv_start=kv_start, kv_end=kv_end,
+                           device=attention_mask.device)
+    exact = (rebuilt == attention_mask).flatten(1).all(dim=-1)
+    pattern = MaskPattern(causal, nk, kv_start.to(torch.int32), kv_end.to(torch.int32)).for_batch(batch)
+    return pattern, exact.expand(batch), None
+
+
+@torch._dynamo.assume_constant_result
+def _precision_once(module) -> str:
+    """:func:`layer_precision` read while tracing: the plan is a constant of the compiled graph
+    (change ``config.qattn_plan`` after compiling and call ``torch._dynamo.reset()``)."""
+    return layer_precision(module)
 
 
 _eager_attention_forward = torch.compiler.disable(qattn_attention_forward)
