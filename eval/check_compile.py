@@ -31,7 +31,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# the installed package (eval/device_run.sh installs the wheel: the source tree has no hf_qattn.kernels)
 
 import hf_qattn  # noqa: E402
 

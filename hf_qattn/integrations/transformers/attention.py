@@ -394,7 +394,7 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
     if cache_hook.is_packed(key) or _active_calibrations:
         return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, is_causal=is_causal, **kwargs)
-    precision = _precision_once(module)
+    precision = _traced_precision(module)
     if precision == UNQUANTIZED:
         ops.record(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -446,11 +446,20 @@ def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
     return pattern, exact.expand(batch), None
 
 
+def _traced_precision(module) -> str:
+    """:func:`layer_precision` under ``torch.compile``: the plan is a constant of the compiled graph
+    (change ``config.qattn_plan`` after compiling and call ``torch._dynamo.reset()``). Only plain values
+    cross into the constant function: torch 2.11's dynamo cannot hold an nn.Module as a constant."""
+    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+    data = getattr(config, PLAN_CONFIG_KEY, None) if config is not None else None
+    if data is None:
+        return DEFAULT_PRECISION
+    return _precision_once(data.to_dict() if isinstance(data, QAttnPlan) else data, layer_index(module))
+
+
 @torch._dynamo.assume_constant_result
-def _precision_once(module) -> str:
-    """:func:`layer_precision` read while tracing: the plan is a constant of the compiled graph
-    (change ``config.qattn_plan`` after compiling and call ``torch._dynamo.reset()``)."""
-    return layer_precision(module)
+def _precision_once(plan_data: dict, index) -> str:
+    return QAttnPlan.from_dict(plan_data).precision(index)
 
 
 _eager_attention_forward = torch.compiler.disable(qattn_attention_forward)
