@@ -205,6 +205,28 @@ def _layer_nbytes(layer) -> int:
     return total
 
 
+def _layer_specs(config) -> tuple[list[str], list[dict]]:
+    """(layer type, constructor kwargs) of each decoder layer, whatever the transformers 5.x version.
+
+    transformers <= 5.17 returns one kwargs dict shared by all layers, later versions a list with one
+    dict per layer; zipping the layer types with a shared (often empty) dict gave no layers at all.
+    A config whose layer types fall short of ``num_hidden_layers`` (and that shares no KV between
+    layers) gets full-attention layers for the rest.
+    """
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    layer_types = list(layer_types)
+    if isinstance(layer_kwargs, dict):
+        layer_kwargs = [dict(layer_kwargs) for _ in layer_types]
+    layer_kwargs = list(layer_kwargs) + [{}] * (len(layer_types) - len(layer_kwargs))
+    shared = getattr(config, "num_kv_shared_layers", None) or getattr(config, "kv_sharing_modes", None)
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if not shared and isinstance(num_layers, int) and len(layer_types) < num_layers:
+        missing = num_layers - len(layer_types)
+        layer_types += ["full_attention"] * missing
+        layer_kwargs += [{} for _ in range(missing)]
+    return layer_types, layer_kwargs
+
+
 def _plan_of(config, plan, num_layers: int) -> QAttnPlan | None:
     if plan is None:
         data = getattr(config, PLAN_CONFIG_KEY, None)
@@ -232,18 +254,27 @@ class QAttnCache(Cache):
             raise ImportError("hf_qattn.QAttnCache needs transformers >= 5.0")
         config = getattr(model_or_config, "config", model_or_config)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, layer_kwargs = _layer_specs(text)
         self.plan = _plan_of(text, plan, len(layer_types))
-        layers = []
-        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            precision = self.plan.precision(index) if self.plan is not None else "int8"
-            if kind == "full_attention" and precision in ("int8", "int4"):
-                layers.append(QAttnLayer(precision, static_max_len, center_sample))
-            elif kind == "full_attention":
-                layers.append(DynamicLayer())
-            else:  # sliding windows, chunked attention, linear attention...: transformers' own layer
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
-        super().__init__(layers=layers)
+        self._static_max_len, self._center_sample = static_max_len, center_sample
+        super().__init__(layers=[self._make_layer(i, kind, kwargs)
+                                 for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))])
+
+    def _make_layer(self, index: int, kind: str = "full_attention", kwargs: dict | None = None):
+        precision = self.plan.precision(index) if self.plan is not None else "int8"
+        if kind == "full_attention" and precision in ("int8", "int4"):
+            return QAttnLayer(precision, self._static_max_len, self._center_sample)
+        if kind == "full_attention":
+            return DynamicLayer()
+        # sliding windows, chunked attention, linear attention...: transformers' own layer
+        return DYNAMIC_LAYER_TYPE_MAPPING[kind](**(kwargs or {}))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # A layer index past the layers built from the config (a config that under-reports its layers):
+        # create full-attention layers on demand rather than fail with an IndexError.
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self._make_layer(len(self.layers)))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def precisions(self) -> list[str]:
         """Storage of each layer: "int8", "int4", or the name of the unquantized layer class."""

@@ -81,7 +81,8 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         from .kernels import decode_launch
 
         stats.record_call("triton")
-        with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
+        other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
+        with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
             return decode_launch.decode(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
                                         int4=layer.precision == "int4", sm_scale=scaling, causal=pattern.causal,
                                         kv_start=pattern.kv_start, kv_end=pattern.kv_end)

@@ -33,6 +33,37 @@ def test_layers_follow_the_plan():
         hf_qattn.QAttnCache(llama_config(), plan="int3")
 
 
+def _shared_kwargs_layer_types(config):
+    """transformers <= 5.17's get_layer_types_and_kwargs: one kwargs dict shared by all layers."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return list(kinds), {}
+
+
+@pytest.mark.parametrize("layer_types", ["installed", "shared kwargs (transformers 5.17)"])
+def test_one_layer_per_decoder_layer(seed, monkeypatch, layer_types):
+    """Regression (H100 run of eval/bench_decode.py, transformers 5.17): the cache built from an
+    8-layer model had no layers (a shared kwargs dict zipped with the layer types) and the first
+    update failed with IndexError in Cache.update. A cache from a model has one layer per decoder
+    layer, and a layer index past the config's layers gets a layer on demand."""
+    if layer_types != "installed":
+        monkeypatch.setattr(qcache, "get_layer_types_and_kwargs", _shared_kwargs_layer_types)
+    model = transformers.AutoModelForCausalLM.from_config(llama_config(layers=8), attn_implementation="qattn").eval()
+    for source in (model, model.config):
+        cache = hf_qattn.QAttnCache(source, plan="int4")
+        assert len(cache.layers) == len(model.model.layers) == 8
+        assert cache.precisions() == ["int4"] * 8
+    ids = torch.randint(1, 128, (1, 9))
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert [layer.get_seq_length() for layer in cache.layers] == [10] * 8
+    # a config that under-reports its layers: the missing ones are created on demand
+    short = hf_qattn.QAttnCache(llama_config(layers=1))
+    k, v = _states(1, 2, 5, 16)
+    short.update(k, v, 3)
+    assert len(short.layers) == 4 and short.layers[3].get_seq_length() == 5
+
+
 def _states(b, h, n, d, dtype=torch.float32):
     k = torch.randn(b, h, n, d) + 4.0 * torch.randn(1, h, 1, d)
     v = torch.randn(b, h, n, d) + torch.randn(1, h, 1, d)
