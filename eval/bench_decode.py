@@ -3,14 +3,22 @@
     python eval/bench_decode.py --out eval/results            # everything (kernel + generate level)
     python eval/bench_decode.py --out /tmp/out --skip-generate  # kernel level only
     python eval/bench_decode.py --out /tmp/out --tiny           # small shapes: checks the script runs
+    python eval/bench_decode.py --out /tmp/out --sweep --skip-generate  # + launch configs at B8 L16k/64k
 
 Kernel level — one decode step of attention: B ∈ {1, 8}, 32 query / 8 KV heads, d128, bf16,
 cached tokens L ∈ {1k, 4k, 16k, 64k, 128k}, one query token:
   * SDPA over a bf16 cache (torch.nn.functional.scaled_dot_product_attention, enable_gqa);
   * qattn over the same bf16 cache (today's path: re-quantizes the whole cache every step);
-  * the decode kernel over the quantized cache, INT8 K and INT4 K (both with FP8 V).
+  * the decode kernel over the quantized cache, INT8 K and INT4 K (both with FP8 V);
+  * the append kernel alone, quantizing one new token per sequence into the cache (per step cost);
+  * the host time of one decode call (Python + launch, no synchronization): when it is close to
+    the GPU time the call is launch-bound, not bandwidth-bound.
 Times are medians of CUDA-event-timed batches of calls after warm-up; GB/s is the cache bytes
 each reads (scales included) over its time.
+
+``--sweep`` adds a table of decode launch configurations (BLOCK_N, num_warps, num_stages, waves of
+programs per SM for the split count, fused vs two-kernel split combine) at B8 L16k and L64k, INT8
+and INT4 K, and names the fastest per precision, to pick the defaults from one GPU run.
 
 Generate level — a Llama-3-8B-shaped model of 8 layers (random bf16 weights), prompt 4k and 16k,
 256 new tokens, greedy, batch 1: prefill timed alone, then each decode step (one token through
@@ -74,6 +82,13 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--budget-gib", type=float, default=40.0, help="KV-cache memory budget for the longest context")
     p.add_argument("--tiny", action="store_true", help="small shapes and a tiny model (runs anywhere)")
+    p.add_argument("--sweep", action="store_true", help="time decode launch configurations (see above)")
+    p.add_argument("--sweep-lengths", default="16k,64k")
+    p.add_argument("--sweep-batch", type=int, default=8)
+    p.add_argument("--sweep-block-n", default="64,128")
+    p.add_argument("--sweep-warps", default="4,8")
+    p.add_argument("--sweep-stages", default="2,3,4")
+    p.add_argument("--sweep-waves", default="1,2,4")
     return p.parse_args(argv)
 
 
@@ -112,8 +127,47 @@ def time_us(fn, calls: int, repeats: int) -> float:
 # kernel level
 
 
-def kernel_rows(args, device, dtype):
+def exact_decode(q, k, v) -> torch.Tensor:
+    """Float64 attention of q (B, Hq, Nq, D) over k, v (B, Hk, L, D) → (B, Nq, Hq, D), one sequence at a
+    time (the whole batch in float64 at B8 L128k needs > 32 GiB)."""
+    b, hq, nq, d = q.shape
+    hk = k.shape[1]
+    out = torch.empty(b, nq, hq, d, device=q.device, dtype=torch.float64)
+    for i in range(b):
+        qi = q[i].double().reshape(hk, hq // hk * nq, d)
+        scores = torch.matmul(qi, k[i].double().transpose(-1, -2)) / math.sqrt(d)
+        o = torch.matmul(torch.softmax(scores, dim=-1), v[i].double())  # (Hk, G·Nq, D)
+        out[i] = o.reshape(hq, nq, d).transpose(0, 1)
+    return out
+
+
+def host_us(fn, calls: int) -> float:
+    """Host time of one call (Python and launch; the GPU is not waited for)."""
+    fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / calls
+    _sync()
+    return host
+
+
+def fill_cache(k, v, d, int4, device):
     from hf_qattn import cache_math
+    from hf_qattn.kernels import decode_launch
+
+    b, hk, n, _ = k.shape
+    k_bar, v_bar = cache_math.centers(k, v)
+    kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device=device, dtype=torch.int8)
+    ks = torch.empty(b, hk, n, device=device)
+    vq = torch.empty(b, hk, n, d, device=device, dtype=torch.float8_e4m3fn)
+    vs = torch.empty(b, hk, n, device=device)
+    decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
+    return kq, ks, vq, vs, k_bar, v_bar
+
+
+def kernel_rows(args, device, dtype):
     from hf_qattn.kernels import decode_launch
 
     import hf_qattn
@@ -137,15 +191,11 @@ def kernel_rows(args, device, dtype):
                                                             args.repeats)
                     except Exception as error:  # noqa: BLE001
                         row["qattn_bf16cache_us"] = f"error: {type(error).__name__}"
-                k_bar, v_bar = cache_math.centers(k, v)
+                ref = None
                 for precision in ("int8", "int4"):
                     int4 = precision == "int4"
                     try:
-                        kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device=device, dtype=torch.int8)
-                        ks = torch.empty(b, hk, n, device=device)
-                        vq = torch.empty(b, hk, n, d, device=device, dtype=torch.float8_e4m3fn)
-                        vs = torch.empty(b, hk, n, device=device)
-                        decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
+                        kq, ks, vq, vs, k_bar, v_bar = fill_cache(k, v, d, int4, device)
                         out = torch.empty(b, nq, hq, d, device=device, dtype=dtype)
 
                         def run():
@@ -156,15 +206,27 @@ def kernel_rows(args, device, dtype):
                         row[f"{precision}_us"] = us
                         row[f"{precision}_GBs"] = qbytes / us / 1e3
                         row[f"{precision}_x"] = row["sdpa_us"] / us
-                        # accuracy of this very call against exact attention on the bf16 cache
-                        ref = torch.nn.functional.scaled_dot_product_attention(
-                            q.double(), k.double(), v.double(), enable_gqa=True).transpose(1, 2)
+                        row[f"{precision}_host_us"] = host_us(run, args.calls)
+                        if precision == "int8":  # the splits merged in the decode launch: one launch per step
+                            row["int8_fused_us"] = time_us(
+                                lambda: decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=False, out=out,
+                                                             fused_combine=True), args.calls, args.repeats)
+                        # the append kernel alone: one new token per sequence (rewrites the last slot)
+                        k1, v1 = k[:, :, -1:].contiguous(), v[:, :, -1:].contiguous()
+                        row[f"{precision}_append_us"] = time_us(
+                            lambda: decode_launch.append(k1, v1, k_bar, v_bar, kq, ks, vq, vs, n - 1, int4=int4),
+                            args.calls, args.repeats)
+                        # accuracy of the timed call against exact attention on the bf16 cache
+                        run()
+                        if ref is None:
+                            ref = exact_decode(q, k, v)
                         err = (out.double() - ref).abs().sum() / ref.abs().sum()
                         row[f"{precision}_relL1"] = err.item()
-                        del kq, ks, vq, vs, out, ref
+                        del kq, ks, vq, vs, out
                     except Exception as error:  # noqa: BLE001
                         row[f"{precision}_us"] = f"error: {type(error).__name__}: {error}"[:120]
                         traceback.print_exc()
+                del ref
                 del k, v, q
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {error}"[:160]
@@ -178,6 +240,107 @@ def kernel_rows(args, device, dtype):
 
 
 # ------------------------------------------------------------------------------------------------
+# launch-configuration sweep
+
+
+def sweep_configs(args) -> list[dict]:
+    """The default launch, the default with the two-kernel combine, then the grid."""
+    configs = [{"name": "default"}, {"name": "default, fused combine", "fused_combine": True},
+               {"name": "default, two-kernel combine", "fused_combine": False}]
+    for block_n in parse_sizes(args.sweep_block_n):
+        for warps in parse_sizes(args.sweep_warps):
+            for stages in parse_sizes(args.sweep_stages):
+                for waves in [float(w) for w in args.sweep_waves.split(",") if w.strip()]:
+                    configs.append({"name": f"N{block_n} w{warps} s{stages} waves{waves:g} fused", "block_n": block_n,
+                                    "num_warps": warps, "num_stages": stages, "waves": waves, "fused_combine": True})
+    return configs
+
+
+def sweep_rows(args, device, dtype):
+    from hf_qattn.kernels import decode_launch
+
+    rows = []
+    hq, hk, d, nq, b = args.heads, args.kv_heads, args.head_dim, args.q_len, args.sweep_batch
+    calls, repeats = max(2, args.calls // 2), max(2, args.repeats - 2)
+    for n in parse_sizes(args.sweep_lengths):
+        try:
+            k = torch.randn(b, hk, n, d, device=device, dtype=dtype)
+            v = torch.randn(b, hk, n, d, device=device, dtype=dtype)
+            q = torch.randn(b, hq, nq, d, device=device, dtype=dtype)
+            sdpa = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                           calls, repeats)
+            ref = exact_decode(q, k, v)
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"L": n, "name": "setup", "error": f"{type(error).__name__}: {error}"[:160]})
+            continue
+        for precision in ("int8", "int4"):
+            int4 = precision == "int4"
+            try:
+                kq, ks, vq, vs, k_bar, v_bar = fill_cache(k, v, d, int4, device)
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append({"L": n, "precision": precision, "name": "fill", "error": f"{type(error).__name__}"})
+                continue
+            qbytes = b * hk * n * (kq.shape[-1] + d + 8)
+            out = torch.empty(b, nq, hq, d, device=device, dtype=dtype)
+            for config in sweep_configs(args):
+                row = {"B": b, "L": n, "precision": precision, "name": config["name"], "sdpa_us": sdpa}
+                kwargs = {key: value for key, value in config.items() if key != "name"}
+                try:
+                    cfg = decode_launch.plan_launch(b, hk, hq // hk, nq, n, q.device, block_n=kwargs.get("block_n"),
+                                                    waves=kwargs.get("waves"))
+                    row["splits"] = cfg["num_splits"]
+
+                    def run():
+                        decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4, out=out, **kwargs)
+
+                    us = time_us(run, calls, repeats)
+                    run()
+                    err = ((out.double() - ref).abs().sum() / ref.abs().sum()).item()
+                    row.update(us=us, GBs=qbytes / us / 1e3, x=sdpa / us, relL1=err)
+                    if not err < (0.05 if precision == "int8" else 0.25):
+                        row["error"] = f"wrong result: relL1 {err:.3g}"
+                except Exception as error:  # noqa: BLE001
+                    row["error"] = f"{type(error).__name__}: {error}"[:120]
+                    traceback.print_exc()
+                log("sweep", row)
+                rows.append(row)
+            del kq, ks, vq, vs, out
+        del k, v, q, ref
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_table(rows) -> list[str]:
+    lines = ["| L | K | config | splits | µs | GB/s | ×SDPA | relL1 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['L']} | {r.get('precision', '-')} | {r['name']} | {r.get('splits', '-')} | "
+                         f"failed: {r['error']} | | | |")
+            continue
+        lines.append(f"| {r['L']} | {r['precision']} | {r['name']} | {r['splits']} | {r['us']:.1f} | "
+                     f"{r['GBs']:.0f} | {r['x']:.2f} | {r['relL1']:.4f} |")
+    # the best configuration per precision: the lowest total time over the swept lengths
+    lines += ["", "Fastest configuration per K precision (total µs over the swept lengths; ties: the first):", ""]
+    for precision in ("int8", "int4"):
+        totals = {}
+        lengths = {r["L"] for r in rows if r.get("precision") == precision}
+        for r in rows:
+            if r.get("precision") == precision and "error" not in r:
+                totals.setdefault(r["name"], []).append(r["us"])
+        complete = {name: sum(t) for name, t in totals.items() if len(t) == len(lengths)}
+        if complete:
+            best = min(complete, key=complete.get)
+            default = complete.get("default")
+            gain = f" ({default / complete[best]:.2f}× the default)" if default else ""
+            lines.append(f"- {precision}: **{best}**: {complete[best]:.1f} µs{gain}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
 # generate level
 
 
@@ -186,8 +349,9 @@ def build_model(args, device, dtype):
 
     import hf_qattn  # noqa: F401  (registers "qattn")
 
-    if args.tiny:
-        config = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+    if args.tiny:  # several layers: the cache must have one layer per decoder layer
+        config = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
+                                num_attention_heads=8,
                                 num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1 << 17)
     else:
         config = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
@@ -316,11 +480,11 @@ def fmt(value, spec="{:.1f}"):
 
 
 def kernel_table(rows) -> list[str]:
-    lines = ["| B | L | SDPA bf16 µs (GB/s) | qattn on bf16 cache µs | INT8-K µs (GB/s) | ×SDPA | relL1 | INT4-K µs (GB/s) | ×SDPA | relL1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | L | SDPA bf16 µs (GB/s) | qattn on bf16 cache µs | INT8-K µs (GB/s) | ×SDPA | relL1 | INT4-K µs (GB/s) | ×SDPA | relL1 | INT8-K fused combine µs | host µs/call (INT8) | append µs/token INT8 / INT4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['B']} | {r['L']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['B']} | {r['L']} | failed: {r['error']} | | | | | | | | | | |")
             continue
         cells = [str(r["B"]), str(r["L"]), f"{fmt(r.get('sdpa_us'))} ({fmt(r.get('sdpa_GBs'), '{:.0f}')})",
                  fmt(r.get("qattn_bf16cache_us"))]
@@ -331,6 +495,7 @@ def kernel_table(rows) -> list[str]:
             else:
                 cells += [f"{fmt(us)} ({fmt(r.get(f'{p}_GBs'), '{:.0f}')})", fmt(r.get(f"{p}_x"), "{:.2f}"),
                           fmt(r.get(f"{p}_relL1"), "{:.4f}")]
+        cells += [fmt(r.get("int8_fused_us")), fmt(r.get("int8_host_us")), f"{fmt(r.get('int8_append_us'))} / {fmt(r.get('int4_append_us'))}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -352,7 +517,7 @@ def generate_table(rows, args) -> list[str]:
     per_token = {}
     for r in rows:
         if "error" not in r and r.get("cache_tokens"):
-            per_token.setdefault(r["mode"], r["cache_bytes"] / r["cache_tokens"] / max(1, args.layers if not args.tiny else 2))
+            per_token.setdefault(r["mode"], r["cache_bytes"] / r["cache_tokens"] / max(1, args.layers))
     if per_token:
         budget = args.budget_gib * 2**30
         lines += ["", f"Longest context in {args.budget_gib:g} GiB of KV cache, 32-layer Llama-3-8B (from the measured bytes per token):", "",
@@ -368,7 +533,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tiny:
         args.lengths, args.batches, args.prompts = "300,1000", "1,2", "64"
-        args.new_tokens, args.warmup_steps, args.calls, args.repeats = 6, 1, 2, 2
+        args.new_tokens, args.warmup_steps, args.calls, args.repeats, args.layers = 6, 1, 2, 2, 4
+        args.sweep_lengths, args.sweep_batch, args.sweep_stages, args.sweep_waves = "200", 2, "2", "1,2"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -379,6 +545,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     date = datetime.date.today().isoformat()
     krows = [] if args.skip_kernel else kernel_rows(args, device, dtype)
+    srows = sweep_rows(args, device, dtype) if args.sweep else []
     grows = [] if args.skip_generate else generate_rows(args, device, dtype)
 
     lines = [f"# Decode with the quantized KV cache — {gpu}, {date}", "",
@@ -387,8 +554,14 @@ def main(argv=None) -> int:
         lines += [f"## Kernel: one decode step, Hq {args.heads} / Hk {args.kv_heads}, d{args.head_dim}, q_len {args.q_len}", "",
                   "GB/s = cache bytes read (scales included) / time. relL1 against float64 attention on the bf16 cache.", ""]
         lines += kernel_table(krows) + [""]
+    if srows:
+        lines += [f"## Decode launch configurations: B{args.sweep_batch}, Hq {args.heads} / Hk {args.kv_heads}, "
+                  f"d{args.head_dim}, q_len {args.q_len}", "",
+                  "config: BLOCK_N, num_warps, num_stages, waves (programs per SM aimed at by the split count); "
+                  "default: the launcher's choice (decode_launch.FUSED_COMBINE for the combine); the grid uses the fused combine.", ""]
+        lines += sweep_table(srows) + [""]
     if grows:
-        lines += [f"## Generate: Llama-3-8B-shaped, {args.layers if not args.tiny else 2} layers, random bf16 weights, batch 1, "
+        lines += [f"## Generate: Llama-3-8B-shaped, {args.layers} layers, random bf16 weights, batch 1, "
                   f"{args.new_tokens} new tokens (median decode step after {args.warmup_steps} warm-up steps)", ""]
         lines += generate_table(grows, args) + [""]
     text = "\n".join(lines)

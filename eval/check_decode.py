@@ -11,7 +11,10 @@ not a multiple of any tile, head dim, dtype, INT8/INT4 K, left padding, split co
   2. the decode kernel against float64 attention over the same storage (tolerance: the kernel's
      bf16 P·δV rounding and the output dtype: (3e-3 + 2 eps) · max |ref|);
   3. the relative L1 error against exact float64 attention on the unquantized K/V (reported; bounded
-     at 0.03 for INT8 K and 0.2 for INT4 K on these inputs with channel outliers).
+     at 0.03 for INT8 K and 0.2 for INT4 K on these inputs with channel outliers);
+  4. the splits merged inside the decode launch (``fused_combine=True``: an arrival counter per tile)
+     and by the combine kernel, both against the reference (same tolerance), and a second fused call
+     equal to the first bit for bit (the counters were reset).
 Each case runs in its own try/except; the table is printed last and written to <out>/check-decode-<gpu>-<date>.md.
 """
 
@@ -95,6 +98,10 @@ def run_case(case, device):
         kv_end = torch.full((b,), nk, device=device)
     out = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, int4=int4, causal=True, kv_start=kv_start,
                                kv_end=kv_end, num_splits=splits)
+    common = dict(int4=int4, causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits)
+    fused = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, fused_combine=True, **common)
+    again = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, fused_combine=True, **common)
+    two = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, fused_combine=False, **common)
     torch.cuda.synchronize() if device == "cuda" else None
     ref = cache_math.decode_attention(q, kq, ks, vq, vs, v_bar, nk, precision=precision, causal=True,
                                       kv_start=kv_start, kv_end=kv_end, dtype=torch.float64).double()
@@ -104,9 +111,11 @@ def run_case(case, device):
     err = (out.double() - ref).abs().max()
     exact = reference.exact_attention(q, k, v, is_causal=nq > 1, kv_start=kv_start, kv_end=kv_end).transpose(1, 2)
     rel = ((out.double() - exact).abs().sum() / exact.abs().sum()).item()
+    combine_ok = (bool(torch.equal(fused, again)) and (fused.double() - ref).abs().max().item() <= tol.item()
+                  and (two.double() - ref).abs().max().item() <= tol.item())
     result.update(finite=bool(torch.isfinite(out).all()), err=err.item() / scale.item(), tol=tol.item() / scale.item(),
-                  rel_l1=rel)
-    result["pass"] = (result["append_ok"] and result["finite"] and err.item() <= tol.item()
+                  rel_l1=rel, combine_ok=combine_ok)
+    result["pass"] = (result["append_ok"] and result["finite"] and err.item() <= tol.item() and combine_ok
                       and rel < (0.03 if precision == "int8" else 0.2))
     return result
 
@@ -149,14 +158,14 @@ def main(argv=None) -> int:
     failed = [r for r in rows if not r["pass"]]
     lines = [f"# Decode kernel check — {gpu}, {date}", "",
              f"{len(rows) - len(failed)} of {len(rows)} cases pass (seed {args.seed}).", "",
-             "| case | append == reference | max err / max|ref| | tolerance | relL1 vs exact (unquantized) | result |",
-             "|---|---|---|---|---|---|"]
+             "| case | append == reference | max err / max|ref| | tolerance | relL1 vs exact (unquantized) | fused combine == repeat, two-kernel ok | result |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | | | | FAIL: {r['error']} |")
+            lines.append(f"| {r['case']} | | | | | | FAIL: {r['error']} |")
         else:
             lines.append(f"| {r['case']} | {r['append_ok']} | {r['err']:.2e} | {r['tol']:.2e} | {r['rel_l1']:.4f} | "
-                         f"{'pass' if r['pass'] else 'FAIL'} |")
+                         f"{r['combine_ok']} | {'pass' if r['pass'] else 'FAIL'} |")
     text = "\n".join(lines)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"check-decode-{gpu.replace(' ', '-')}-{date}.md")

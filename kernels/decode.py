@@ -23,8 +23,13 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i). With one
-split the program normalizes and writes O + v̄; with several it writes (acc, m, l) and
-``combine_kernel`` merges the splits by their log-sum-exp.
+split the program normalizes and writes O + v̄; with several it writes (acc, m, l), and the splits
+are merged by their log-sum-exp: with ``FUSED_COMBINE`` by the last split program of each (query
+chunk, batch·kv-head) to finish (an atomic counter per tile, reset by that program: one launch per
+step), else by ``combine_kernel`` (a second launch).
+
+Whole tiles of BLOCK_N tokens are read without a bound mask (16-byte loads of K and V when the head
+dim needs no padding); only the last tile of a split is masked.
 """
 
 import triton
@@ -95,8 +100,83 @@ def append_kernel(
 
 
 @triton.jit
+def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
+                 stride_kn, stride_vn, score_coef,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    if INT4:
+        c = tl.arange(0, D_PAD // 2)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + c[None, :]
+        if MASK_N:
+            packed = tl.load(k_ptrs, mask=n_ok[:, None], other=0)
+        else:
+            packed = tl.load(k_ptrs)
+        k_lo = (packed << 4).to(tl.int8) >> 4  # sign-extends the low nibble
+        k_hi = packed >> 4
+        if INTERPRET:  # the interpreter's bf16 dot and int8 → bf16 cast are wrong (3.9); fp32 is exact
+            qk = (tl.dot(q_lo.to(tl.float32), tl.trans(k_lo.to(tl.float32)))
+                  + tl.dot(q_hi.to(tl.float32), tl.trans(k_hi.to(tl.float32))))
+        else:
+            qk = (tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)))
+                  + tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype))))
+    else:
+        c = tl.arange(0, D_PAD)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + c[None, :]
+        if EVEN_D:
+            if MASK_N:
+                k = tl.load(k_ptrs, mask=n_ok[:, None], other=0)
+            else:
+                k = tl.load(k_ptrs)  # unmasked: 16-byte vector loads
+        else:
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & (c < HEAD_DIM)[None, :], other=0)
+        if INTERPRET:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if MASK_N:
+        k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
+        v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
+    else:
+        k_scale = tl.load(KS + s_base + offs_n)
+        v_scale = tl.load(VS + s_base + offs_n)
+    s = qk * (k_scale * score_coef)[None, :]
+    if MASK_N or HAS_KV_RANGE or CAUSAL:
+        visible = n_ok[None, :]
+        if HAS_KV_RANGE:
+            visible = visible & (offs_n >= kv_lo)[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= (diag + qi)[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    offs_d = tl.arange(0, D_PAD)
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if EVEN_D:
+        if MASK_N:
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)  # unmasked: 16-byte vector loads
+    else:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    p_w = (p * v_scale[None, :]).to(tl.bfloat16)
+    if INTERPRET:
+        pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
+    else:
+        pv = tl.dot(p_w, v.to(tl.bfloat16))
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L,
+    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
@@ -105,7 +185,7 @@ def decode_kernel(
     HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef,
     GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -126,9 +206,12 @@ def decode_kernel(
         q_lo = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
         q_hi = tl.load(q_rows + (c + HALF)[None, :] * stride_qd,
                        mask=row_ok[:, None] & ((c + HALF) < HEAD_DIM)[None, :], other=0.0)
+        q = q_lo
     else:
         c = tl.arange(0, D_PAD)
         q = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
+        q_lo = q
+        q_hi = q
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
 
@@ -145,6 +228,8 @@ def decode_kernel(
         last_q = tl.minimum(chunk * QT + QT, NQ) - 1
         hi = tl.minimum(hi, diag + last_q + 1)
     lo = tl.maximum(lo, kv_lo // BLOCK_N * BLOCK_N)
+    # whole tiles first (no bound mask: wide loads), then at most one partial tile
+    hi_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
 
     k_base = KQ + b * stride_kb + hk * stride_kh
     s_base = b * stride_sb + hk * stride_sh
@@ -152,59 +237,53 @@ def decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        if INT4:
-            packed = tl.load(k_base + offs_n[:, None] * stride_kn + c[None, :], mask=n_ok[:, None], other=0)
-            k_lo = (packed << 4).to(tl.int8) >> 4  # sign-extends the low nibble
-            k_hi = packed >> 4
-            if INTERPRET:  # the interpreter's bf16 dot and int8 → bf16 cast are wrong (3.9); fp32 is exact
-                qk = (tl.dot(q_lo.to(tl.float32), tl.trans(k_lo.to(tl.float32)))
-                      + tl.dot(q_hi.to(tl.float32), tl.trans(k_hi.to(tl.float32))))
-            else:
-                qk = (tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)))
-                      + tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype))))
-        else:
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + c[None, :],
-                        mask=n_ok[:, None] & (c < HEAD_DIM)[None, :], other=0)
-            if INTERPRET:
-                qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-            else:
-                qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
-        s = qk * (k_scale * score_coef)[None, :]
-        visible = (n_ok & (offs_n >= kv_lo))[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= (diag + qi)[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        p_w = (p * v_scale[None, :]).to(tl.bfloat16)
-        if INTERPRET:
-            pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
-        else:
-            pv = tl.dot(p_w, v.to(tl.bfloat16))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    for start in range(lo, hi_full, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+                                     s_base, v_base, stride_kn, stride_vn, score_coef,
+                                     HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, False, INTERPRET)
+    for start in range(hi_full, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+                                     s_base, v_base, stride_kn, stride_vn, score_coef,
+                                     HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True, INTERPRET)
 
+    o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
     if SPLIT:
-        part = ((b * HK * GROUPS + head) * NQ + qi) * NUM_SPLITS + split
+        part0 = ((b * HK * GROUPS + head) * NQ + qi) * NUM_SPLITS
+        part = part0 + split
         tl.store(PART_O + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(PART_M + part, m_i, mask=row_ok)
         tl.store(PART_L + part, l_i, mask=row_ok)
+        if FUSED_COMBINE:
+            # The last split of this (query chunk, batch·kv-head) to finish merges all the splits: one
+            # launch per decode step instead of two. The counter goes back to 0 for the next launch.
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = COUNTER + chunk * tl.num_programs(1) + bh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_run = tl.zeros([BLOCK_M], tl.float32)
+                o_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+                for t in range(0, NUM_SPLITS):
+                    m_t = tl.load(PART_M + part0 + t, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_t = tl.load(PART_L + part0 + t, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    o_t = tl.load(PART_O + (part0 + t)[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None],
+                                  other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_run, m_t)
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    a_run = tl.math.exp2(m_run - m_use)
+                    a_t = tl.math.exp2(m_t - m_use)
+                    l_run = l_run * a_run + l_t * a_t
+                    o_run = o_run * a_run[:, None] + o_t * a_t[:, None]
+                    m_run = m_new
+                seen = l_run != 0.0  # NaN (non-finite input) stays NaN
+                out = tl.where(seen[:, None], o_run / tl.where(seen, l_run, 1.0)[:, None] + v_bar[None, :], 0.0)
+                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         seen = l_i != 0.0  # 0 only for rows that saw no key; NaN (non-finite input) stays NaN
         out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :], 0.0)
-        tl.store(O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit

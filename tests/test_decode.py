@@ -122,6 +122,55 @@ def test_rows_without_keys_are_zero(seed):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_fused_and_two_kernel_combine_agree(seed, precision):
+    """The splits merged in the decode launch (last split to arrive) equal the combine kernel's merge,
+    call after call: the arrival counters are left at zero for the next launch."""
+    k, v = outlier_kv(2, 2, 75, 64)
+    st = fill(k, v, precision)
+    q = torch.randn(2, 8, 3, 64, device=DEVICE, dtype=torch.bfloat16)
+    args = (q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 75)
+    two = decode_launch.decode(*args, int4=precision == "int4", num_splits=4, fused_combine=False)
+    for _ in range(2):
+        fused = decode_launch.decode(*args, int4=precision == "int4", num_splits=4, fused_combine=True)
+        torch.testing.assert_close(fused.float(), two.float(), rtol=1e-2, atol=1e-2)
+        assert not any(ws[3].any() for ws in decode_launch._WORKSPACE.values())
+    ref = cache_math.decode_attention(*args, precision=precision)
+    assert mismatch(fused, ref) is None, mismatch(fused, ref)
+
+
+def test_fused_combine_propagates_non_finite_query(seed):
+    """A NaN query row stays NaN through the in-launch merge (``l != 0``, not ``l > 0``); other rows are finite."""
+    import math
+
+    k, v = outlier_kv(1, 2, 40, 32)
+    st = fill(k, v, "int8")
+    q = torch.randn(1, 4, 2, 32, device=DEVICE)
+    q[0, 1, 0, 3] = math.nan
+    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 40, int4=False, num_splits=3,
+                               fused_combine=True)
+    assert torch.isnan(out[0, 0, 1]).all()
+    assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
+
+
+@pytest.mark.parametrize("b,hk,nq,nk", [(1, 8, 1, 1024), (8, 8, 1, 1024), (8, 8, 1, 65536), (1, 8, 1, 131072),
+                                        (64, 8, 1, 4096), (1, 1, 1, 17), (4, 8, 16, 8191)])
+def test_split_count_fills_the_gpu_without_overshooting(b, hk, nq, nk):
+    """The split heuristic on a 132-SM GPU: one split when B·Hk fills it, else enough splits for
+    about WAVES programs per SM, never more splits than key tiles, none empty."""
+    sms, block_n = 132, 64
+    _, _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, False, block_n, None, None)
+    tiles = -(-nk // block_n)
+    programs = chunks * b * hk
+    assert 1 <= splits <= tiles and split_len % block_n == 0
+    assert (splits - 1) * split_len < nk  # no empty split
+    if programs >= decode_launch.WAVES * sms:
+        assert splits == 1
+    else:
+        assert programs * splits >= min(sms, programs * tiles)  # at least one program per SM when L allows
+        assert programs * splits <= decode_launch.WAVES * sms + programs  # and not many waves more
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_append_matches_reference_and_appends_in_place(seed, precision):
     """Appending in two pieces with the centers of the first equals quantizing everything at once."""
     k, v = outlier_kv(2, 3, 41, 48)
@@ -145,7 +194,9 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
 MUTATIONS = {
     "causal diagonal top-left": ("diag = NK - NQ", "diag = NK * 0"),
     "v̄ dropped": ("acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :]", "acc / tl.where(seen, l_i, 1.0)[:, None]"),
-    "splits merged unweighted": ("w = tl.math.exp2(m - m_use)", "w = tl.where(s_ok, 1.0, 0.0)"),
+    "splits merged unweighted (combine kernel)": ("w = tl.math.exp2(m - m_use)", "w = tl.where(s_ok, 1.0, 0.0)"),
+    "splits merged unweighted (fused)": ("a_t = tl.math.exp2(m_t - m_use)", "a_t = tl.where(row_ok, 1.0, 0.0)"),
+    "fused merge skips a split": ("for t in range(0, NUM_SPLITS):", "for t in range(1, NUM_SPLITS):"),
     "int4 high nibble unsigned": ("k_hi = packed >> 4", "k_hi = (packed >> 4) & 15"),
 }
 
@@ -169,11 +220,12 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
     q = torch.randn(1, 4, 5, 32, device=DEVICE, dtype=torch.float16)
     precision = "int4" if "int4" in name else "int8"
     st = fill(k, v, precision)
-    splits = 3 if "splits" in name else 1
+    splits = 3 if "split" in name else 1
 
     def run():
         out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
-                                   int4=precision == "int4", num_splits=splits)
+                                   int4=precision == "int4", num_splits=splits,
+                                   fused_combine="combine kernel" not in name)
         ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
                                           precision=precision)
         return mismatch(out, ref)
