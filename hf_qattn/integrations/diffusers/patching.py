@@ -286,7 +286,9 @@ class _PatchedDenoiser:
 
     def _enter_layer(self, layer: int):
         def enter(module, args):
-            stack = self._active.__dict__.setdefault("stack", [])
+            stack = getattr(self._active, "stack", None)
+            if stack is None:  # plain attribute access: dynamo (torch 2.11) rejects __dict__.setdefault here
+                stack = self._active.stack = []
             processor = getattr(module, "processor", None)
             if getattr(processor, "_parallel_config", None) is not None:
                 stats.record_fallback("context-parallel attention processor (not routed)")
