@@ -183,7 +183,7 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                 copy_src, copy_dst = torch.cat([k, v]), torch.empty(2 * k.numel(), dtype=dtype, device="cuda")
                 times = {
                     "cudnn": time_ms(sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal)),
-                    "triton-8b": time_ms(lambda: launch.quantized_attention(
+                    "triton-8b": time_ms(lambda: launch.triton_attention(
                         q, k, v, out, is_causal=causal, v_fp8=True, kv_start=None, kv_end=None, return_lse=False,
                         **common)),
                     "gluon-8b": time_ms(lambda: launch.hopper_attention(
@@ -230,7 +230,7 @@ def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
                                                 return_mode="median")
     cudnn_ms = time_ms(sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal))
     # the quantize kernel alone: time the launcher with an attention of zero query rows
-    quant_only = time_ms(lambda: launch.quantized_attention(
+    quant_only = time_ms(lambda: launch.triton_attention(
         q[:, :, :0], k, v, torch.empty_like(q[:, :, :0]), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
         v_fp8=True, smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False))
     return {"shape": f"B{batch} H{heads} N{n} d{d} causal={causal}", "centers_ms": centers,
@@ -255,7 +255,7 @@ def tune(dtype, n=8192):
             flops = 4 * 4 * 32 * n * n * d * (0.5 if causal else 1.0)
             timed = []
             for config in candidates:
-                ms = time_ms(lambda: launch.quantized_attention(
+                ms = time_ms(lambda: launch.triton_attention(
                     q, k, v, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
                     smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False, config=config))
                 timed.append((flops / (ms * 1e-3) / 1e12 if ms == ms else 0.0, config))

@@ -50,7 +50,7 @@ def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: f
             if path == support.HOPPER:
                 lse = kernels.hopper_attention(qh, kh, vh, out_h, **options)
             else:
-                lse = kernels.quantized_attention(qh, kh, vh, out_h, v_fp8=pv == "fp8", **options)
+                lse = kernels.triton_attention(qh, kh, vh, out_h, v_fp8=pv == "fp8", **options)
         return out, lse
     if path != support.REFERENCE:
         raise ValueError(f"hf_qattn::attention serves the paths {KERNEL_PATHS}; got {path!r}")

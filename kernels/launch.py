@@ -2,7 +2,7 @@
 
 Two attention kernels share the first two steps:
 
-- ``quantized_attention``: the portable Triton kernel (sm80/89/90, and the CPU interpreter);
+- ``triton_attention``: the portable Triton kernel (sm80/89/90, and the CPU interpreter);
 - ``hopper_attention``: the warp-specialized Gluon kernel for sm90 (``kernels/hopper/``).
 
 Inputs are already validated by :func:`hf_qattn.qattn`; this module only lays out buffers and
@@ -103,7 +103,7 @@ def _key_range(kv_start, kv_end, b: int, nk: int, device):
     return start.contiguous(), end.contiguous()
 
 
-def quantized_attention(
+def triton_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -168,7 +168,7 @@ def hopper_attention(
     return_lse: bool,
     stages: int | None = None,
 ) -> torch.Tensor | None:
-    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``quantized_attention``."""
+    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``."""
     config = tuning.hopper_config(q.shape[-1])
     kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,

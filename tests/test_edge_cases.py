@@ -123,12 +123,14 @@ def test_decode_kernel_propagates_non_finite_query(seed, splits, tmp_path, monke
     q = torch.randn(1, 4, 2, 32, device=DEVICE)
     q[0, 1, 0, 3] = math.nan
 
-    def run():
-        return decode_launch.decode(q, kq, ks, vq, vs, v_bar, 40, int4=False, num_splits=splits)
+    def run(fused=False):
+        return decode_launch.decode(q, kq, ks, vq, vs, v_bar, 40, int4=False, num_splits=splits,
+                                    fused_combine=fused)
 
-    out = run()  # (B, Nq, Hq, D)
-    assert torch.isnan(out[0, 0, 1]).all()
-    assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
+    for fused in (False, True):  # the separate combine kernel, and the decode kernel's fused combine
+        out = run(fused)  # (B, Nq, Hq, D)
+        assert torch.isnan(out[0, 0, 1]).all()
+        assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
     old = "seen = total != 0.0" if splits > 1 else "seen = l_i != 0.0"
     mutant = _mutant(tmp_path, decode, old, old.replace("!= 0.0", "> 0.0"))
     monkeypatch.setattr(decode_launch, "combine_kernel" if splits > 1 else "decode_kernel",
@@ -226,7 +228,7 @@ def test_zero_size_dimensions_return_the_empty_result(monkeypatch, fresh_stats, 
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched for an empty call")
 
-    monkeypatch.setattr(launch, "quantized_attention", no_launch)
+    monkeypatch.setattr(launch, "triton_attention", no_launch)
     q, k, v = make(hq, nq), make(hk, nk), make(hk, nk)
     ranges = dict(kv_start=torch.zeros(b, dtype=torch.int64), kv_end=torch.full((b,), nk)) if b else {}
     for causal in (False, True):
@@ -268,7 +270,7 @@ def test_kernel_reads_start_after_end_as_an_empty_range(seed):
     out = torch.full_like(q, math.nan)
     start, end = torch.tensor([33, 20], dtype=torch.int32), torch.tensor([40, 3], dtype=torch.int32)
     for causal in (False, True):
-        lse = launch.quantized_attention(q, k, v, out, is_causal=causal, sm_scale=0.2, qk="int8", v_fp8=True,
+        lse = launch.triton_attention(q, k, v, out, is_causal=causal, sm_scale=0.2, qk="int8", v_fp8=True,
                                          smooth_q=True, smooth_k=True, smooth_v=True, kv_start=start, kv_end=end,
                                          return_lse=True)
         assert (out[1] == 0).all() and (lse[1] == -math.inf).all()

@@ -109,7 +109,7 @@ def test_outputs_are_fully_written(seed):
     """Every output element is written: poison the buffer, run, check nothing of the poison is left."""
     q, k, v = outlier_qkv(1, 2, 2, 37, 37, 32, torch.float16)
     out = torch.full_like(q, float("nan"))
-    lse = launch.quantized_attention(q, k, v, out, is_causal=True, sm_scale=32 ** -0.5, qk="int8", v_fp8=True,
+    lse = launch.triton_attention(q, k, v, out, is_causal=True, sm_scale=32 ** -0.5, qk="int8", v_fp8=True,
                                      smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None,
                                      return_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
