@@ -19,15 +19,16 @@ a failure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import pathlib
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_report import finish  # noqa: E402
 from synthetic import outlier_qkv  # noqa: E402
 
 from hf_qattn import reference  # noqa: E402
@@ -147,20 +148,10 @@ def main() -> int:
     except Exception as error:
         ok, detail = False, {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     rows.append(("NaN in one query row", ok, detail))
-    gpu = torch.cuda.get_device_name()
-    lines = [f"# Hopper kernel device check — {gpu}, {datetime.date.today()}",
-             f"torch {torch.__version__}, triton {__import__('triton').__version__}", "",
-             "| case | result | measured |", "|---|---|---|"]
-    lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | "
-              + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in detail.items()) + " |"
-              for name, ok, detail in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"check-hopper-{gpu.replace(' ', '-')}-{datetime.date.today()}.md").write_text(text + "\n")
-    return 0 if all(ok for _, ok, _ in rows) else 1
-
+    detail = [(name, ok, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items()))
+              for name, ok, d in rows]
+    return finish("Hopper kernel device check", f"torch {torch.__version__}, triton {triton.__version__}", detail,
+                  args.out, "check-hopper", torch.cuda.get_device_name())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@ Prints one line per check and a PASS/FAIL table; exits non-zero on a failure.
 from __future__ import annotations
 
 import argparse
-import datetime
+import os
 import pathlib
 import sys
 import tempfile
@@ -20,8 +20,11 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-import hf_qattn
-from hf_qattn.reference import exact_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_report import finish  # noqa: E402
+
+import hf_qattn  # noqa: E402
+from hf_qattn.reference import exact_attention  # noqa: E402
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,18 +90,9 @@ def main() -> int:
             check(rows)
         except Exception as error:  # a crash is a failed check, reported with the rest
             rows.append((check.__name__, f"{type(error).__name__}: {error}", False))
-    gpu = torch.cuda.get_device_name(0)
-    lines = [f"# Multi-GPU check — {torch.cuda.device_count()}× {gpu}, {datetime.date.today()}",
-             f"torch {torch.__version__}, hf_qattn {hf_qattn.__version__}", "",
-             "| check | measured | result |", "|---|---|---|"]
-    lines += [f"| {name} | {detail} | {'PASS' if ok else 'FAIL'} |" for name, detail, ok in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"multi-gpu-{gpu.replace(' ', '-')}-{datetime.date.today()}.md").write_text(text + "\n")
-    return 0 if all(ok for _, _, ok in rows) else 1
-
+    return finish("Multi-GPU check", f"torch {torch.__version__}, hf_qattn {hf_qattn.__version__}",
+                  [(name, ok, detail) for name, detail, ok in rows], args.out, "multi-gpu",
+                  f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}")
 
 if __name__ == "__main__":
     sys.exit(main())
