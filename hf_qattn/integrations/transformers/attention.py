@@ -363,11 +363,15 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         stats.record_fallback(reason, full_precision_path(kwargs))
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
+    return _quantized(query, key, value, pattern, precision, scaling).transpose(1, 2).contiguous(), None
+
+
+def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling):
+    """qattn on (B, H, N, D) tensors under a mask pattern: keys [0, kv_len), causal, per-sequence range."""
     if pattern.kv_len != key.shape[2]:
         key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
-    out = api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
-                    kv_start=pattern.kv_start, kv_end=pattern.kv_end)
-    return out.transpose(1, 2).contiguous(), None
+    return api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
+                     kv_start=pattern.kv_start, kv_end=pattern.kv_end)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,10 +411,7 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    if pattern.kv_len != key.shape[2]:
-        key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
-    out = api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
-                    kv_start=pattern.kv_start, kv_end=pattern.kv_end)
+    out = _quantized(query, key, value, pattern, precision, scaling)
     if exact is not None:
         out = torch.where(exact.view(-1, 1, 1, 1), out, float("nan"))
     return out.transpose(1, 2).contiguous(), None
