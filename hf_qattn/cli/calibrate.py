@@ -22,6 +22,12 @@ def _add_calibrate(subparsers) -> None:
     parser.add_argument("--max-samples", type=positive_int, default=32, help="lines of --text to use (default 32)")
     parser.add_argument("--max-length", type=positive_int, default=256, help="tokens per line at most (default 256)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="lines per forward pass (default 8)")
+    from ..integrations.transformers.calibration import DEFAULT_OBJECTIVE, OBJECTIVES
+
+    parser.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
+                        help="how layers are ranked: " + "; ".join(f"{name}: {cost}" for name, (_, cost)
+                                                                     in OBJECTIVES.items())
+                        + f" (default {DEFAULT_OBJECTIVE})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_calibrate)
 
@@ -55,18 +61,23 @@ def run_calibrate(args) -> int:
     except (OSError, ValueError) as error:
         raise CLIError(f"MODEL_DIR {model_dir}: the model does not load: {_first_line(error)}") from None
     result = calibrate(model, texts, args.ratio, tokenizer=tokenizer, batch_size=args.batch_size,
-                       max_length=args.max_length, progress=not args.no_progress)
+                       max_length=args.max_length, progress=not args.no_progress, objective=args.objective)
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "scores.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
-    plot = save_plot(result, out / "scores.png", f"{model_dir.name}: INT4 score per layer ({len(texts)} inputs)")
-
     from ..scoring import SCORE_MEANING
 
-    print(f"{SCORE_MEANING}; mean and worst over the inputs:")
+    if args.objective == "attention":
+        plot = save_plot(result, out / "scores.png", f"{model_dir.name}: INT4 score per layer ({len(texts)} inputs)")
+        print(f"{SCORE_MEANING}; mean and worst over the inputs:")
+    else:
+        plot = None  # the score plot's axis is made for scores near 1
+        print(f"logit-kl: per layer, KL (nats per token) of the final next-token distribution with that layer "
+              f"alone at int4 from full precision; higher is more harmed; the highest are marked int8 "
+              f"({result.forwards} forwards, {result.seconds:.1f} s); mean and worst over the inputs:")
     print(format_table(["layer", "mean", "worst", "inputs", "plan"], score_rows(result)))
     counts = result.plan.count()
     print(f"\nplan: {counts['int8']} layer(s) int8, {counts['int4']} int4 (ratio {args.ratio}); "

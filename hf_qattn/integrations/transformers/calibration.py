@@ -1,6 +1,15 @@
-"""SageAttn-mix calibration: score the 4-bit kernel at every layer, mark the worst layers 8-bit.
+"""Calibration: rank the layers by how much their 4-bit attention hurts, mark the worst ``ratio`` 8-bit.
 
-The model runs with full-precision attention on a few real inputs (its outputs are the
+Two objectives (:data:`OBJECTIVES`, ``calibrate(..., objective=...)``), one plan format:
+
+- ``"attention"`` (default; SageAttn-mix, the paper's score), described below: one forward per input.
+- ``"logit-kl"`` (end to end): per layer, the KL divergence of the model's final next-token
+  distribution with only that layer's attention at int4 (all others full precision) from the one
+  with every layer full precision, averaged over the calibration tokens; the largest ``ratio`` share
+  of layers becomes ``"int8"``. Cost: (L + 1) forwards per input batch (one full precision, one per
+  layer), for a model whose output has ``logits``.
+
+Attention objective: the model runs with full-precision attention on a few real inputs (its outputs are the
 full-precision ones). At every attention call the INT4 kernel is scored on the very Q, K, V the
 layer sees — :func:`hf_qattn.scoring.attention_accuracy`, score = CosSim · (1 − RelL1) — one
 sequence at a time, padding cut away, so every input counts once and padding adds no noise. Only
@@ -14,28 +23,57 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ...plan import PLAN_CONFIG_KEY, QAttnPlan, check_ratio
+from ...plan import PLAN_CONFIG_KEY, UNQUANTIZED, QAttnPlan, check_ratio
 from ...scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .attention import layer_index
 
 
+KL_METRIC = "mean KL(p_full || p_int4 layer) per token, nats"
+
+
+@dataclass
+class Sensitivity:
+    """A layer's end-to-end sensitivity (objective ``"logit-kl"``): the KL divergence (nats) of the final
+    next-token distribution with that layer alone at int4 from full precision, ``mean`` over all calibration
+    tokens and ``worst`` (largest) over input sequences, ``count`` input sequences and ``tokens`` tokens."""
+
+    mean: float
+    worst: float
+    count: int
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class CalibrationResult(CalibrationOutcome):
-    """``plan, scores = calibrate(...)`` unpacks; ``skipped`` counts calls the kernel could not serve."""
+    """``plan, scores = calibrate(...)`` unpacks; ``skipped`` counts calls the kernel could not serve.
+
+    ``scores`` holds a :class:`~hf_qattn.scoring.Score` per layer (objective ``"attention"``: higher is
+    better) or a :class:`Sensitivity` (``"logit-kl"``: higher is worse)."""
 
     plan: QAttnPlan
-    scores: dict[int, Score]
+    scores: dict[int, Score | Sensitivity]
     skipped: dict[str, int] = field(default_factory=dict)
+    objective: str = "attention"
+    forwards: int = 0
+    seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return self._json(plan=self.plan.to_dict(),
+        body = self._json(plan=self.plan.to_dict(), objective=self.objective, forwards=self.forwards,
+                          seconds=round(self.seconds, 3),
                           layers={str(layer): score.as_dict() for layer, score in sorted(self.scores.items())})
+        if self.objective == "logit-kl":
+            body["metric"] = KL_METRIC
+        return body
 
 
 class _ScoreCollector:
@@ -130,6 +168,168 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
+class _LayerRecorder:
+    """Observer of the full-precision pass of ``"logit-kl"``: which layers the kernel can serve."""
+
+    def __init__(self):
+        self.layers: set[int] = set()
+        self.skipped: Counter = Counter()
+
+    def skip(self, module, reason: str) -> None:
+        self.skipped[reason] += 1
+
+    def observe(self, module, query, key, value, pattern, scaling) -> None:
+        layer = layer_index(module)
+        if layer is None:
+            self.skipped["attention module without a layer index"] += 1
+        else:
+            self.layers.add(layer)
+
+
+class _Bar:
+    """A progress bar over a total known after the first step (tqdm when installed, else a stderr line)."""
+
+    def __init__(self, enabled: bool, desc: str):
+        self.enabled, self.desc, self.done, self.total, self.bar = enabled, desc, 0, 0, None
+
+    def start(self, total: int) -> None:
+        self.total = total
+        if not self.enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, desc=self.desc)
+
+    def step(self) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            print(f"\r{self.desc}: {self.done}/{self.total}", end="\n" if self.done == self.total else "",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _logits(output) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        logits = output[0]
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise ValueError("objective 'logit-kl' needs a model whose output has logits (batch, tokens, vocab), "
+                         "e.g. a *ForCausalLM; use objective='attention' for other models")
+    return logits
+
+
+def _token_mask(call: dict, logits: torch.Tensor) -> torch.Tensor:
+    mask = call.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) == tuple(logits.shape[:2]):
+        return mask.to(device=logits.device, dtype=torch.bool)
+    return torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+
+
+def _run_attention(model, calls, progress: bool):
+    """Objective ``"attention"``: one full-precision forward per batch, the INT4 kernel scored on each layer's Q, K, V."""
+    from . import attention
+
+    collector = _ScoreCollector()
+    with attention.calibrating(collector):
+        for call in _progress(calls, progress, "hf_qattn calibrate"):
+            model(**call)
+    scores = collector.scores()
+    if not scores:
+        _nothing_scored(collector.skipped)
+    ranking = {layer: s.mean for layer, s in scores.items()}  # lowest first → int8
+    meta = {"scores": {str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()}}
+    return scores, ranking, meta, collector.skipped, len(calls)
+
+
+def _run_logit_kl(model, calls, progress: bool):
+    """Objective ``"logit-kl"``: per batch one full-precision forward, then one per layer with only it at int4."""
+    from . import attention
+
+    config = model.config
+    had_plan = hasattr(config, PLAN_CONFIG_KEY)
+    previous_plan = getattr(config, PLAN_CONFIG_KEY, None)
+    totals: dict[int, float] = {}
+    worst: dict[int, float] = {}
+    sequences, tokens, forwards = 0, 0, 0
+    recorder = _LayerRecorder()
+    layers: list[int] | None = None
+    bar = _Bar(progress, "hf_qattn calibrate (logit-kl: L+1 forwards per batch)")
+    try:
+        for call in calls:
+            with attention.calibrating(recorder):  # full precision everywhere; notes the layers the kernel serves
+                reference = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
+            forwards += 1
+            if layers is None:
+                layers = sorted(recorder.layers)
+                if not layers:
+                    _nothing_scored(recorder.skipped)
+                bar.start(len(calls) * (len(layers) + 1))
+            bar.step()
+            mask = _token_mask(call, reference)
+            counts = mask.sum(dim=1)
+            probs = reference.exp()
+            for layer in layers:
+                setattr(config, PLAN_CONFIG_KEY, QAttnPlan(default=UNQUANTIZED, layers={layer: "int4"}))
+                probe = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
+                forwards += 1
+                kl = (probs * (reference - probe)).sum(dim=-1).masked_fill(~mask, 0.0)  # (batch, tokens)
+                totals[layer] = totals.get(layer, 0.0) + float(kl.sum())
+                per_sequence = kl.sum(dim=1) / counts.clamp(min=1)
+                if bool((counts > 0).any()):
+                    worst[layer] = max(worst.get(layer, -math.inf), float(per_sequence[counts > 0].max()))
+                del probe, kl
+                bar.step()
+            sequences += int((counts > 0).sum())
+            tokens += int(counts.sum())
+    finally:
+        bar.close()
+        if had_plan:
+            setattr(config, PLAN_CONFIG_KEY, previous_plan)
+        elif hasattr(config, PLAN_CONFIG_KEY):
+            delattr(config, PLAN_CONFIG_KEY)
+    if tokens == 0:
+        raise ValueError("objective 'logit-kl' saw no tokens (every attention_mask entry is 0)")
+    scores = {layer: Sensitivity(mean=totals[layer] / tokens, worst=worst[layer], count=sequences, tokens=tokens)
+              for layer in layers}
+    ranking = {layer: -s.mean for layer, s in scores.items()}  # largest KL first → int8
+    meta = {"metric": KL_METRIC, "tokens": tokens,
+            "scores": {str(layer): [round(s.mean, 8), round(s.worst, 8)] for layer, s in scores.items()}}
+    return scores, ranking, meta, recorder.skipped, forwards
+
+
+def _nothing_scored(skipped) -> None:
+    reasons = ", ".join(f"{reason} ({n})" for reason, n in skipped.items()) or "no attention call seen"
+    raise RuntimeError("calibration scored no layer: the model's attention never reached hf_qattn "
+                       f"({reasons}); does this model use transformers' attention interface?")
+
+
+# The calibration objectives: name → (how it runs, what it costs). The one place to add an objective:
+# a runner takes (model, calls, progress) and returns (scores, ranking, meta, skipped, forwards), where the
+# lowest ``ranking`` values are marked int8.
+OBJECTIVES = {
+    "attention": (_run_attention, "1 forward per input batch: CosSim·(1 − RelL1) of each layer's INT4 attention "
+                                  "output on its own Q, K, V (lowest → int8)"),
+    "logit-kl": (_run_logit_kl, "L+1 forwards per input batch: KL of the final next-token distribution with that "
+                                "layer alone at int4 vs full precision (largest → int8)"),
+}
+DEFAULT_OBJECTIVE = "attention"
+
+
+def check_objective(objective) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}; got {objective!r}")
+    return objective
+
+
 def calibrate(
     model,
     inputs,
@@ -139,25 +339,31 @@ def calibrate(
     batch_size: int = 8,
     max_length: int | None = 512,
     progress: bool = True,
+    objective: str = DEFAULT_OBJECTIVE,
 ) -> CalibrationResult:
-    """Score the INT4 kernel at every attention layer on ``inputs`` and write a mixing plan into the config.
+    """Rank every attention layer on ``inputs`` by ``objective`` and write a mixing plan into the config.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention uses the attention interface.
         inputs: a list of strings (needs ``tokenizer``), a tokenized batch (a dict of tensors passed
             as ``model(**batch)``, e.g. ``{"pixel_values": x}``), a list of such dicts, or a tensor
             of input_ids (batch, tokens).
-        ratio: share of layers (the lowest mean scores) that get ``"int8"``; the rest ``"int4"``.
+        ratio: share of layers (the most harmed by int4) that get ``"int8"``; the rest ``"int4"``.
         tokenizer: turns string inputs into batches (padding, truncation to ``max_length``).
         batch_size: strings (or input_ids rows) per forward pass; padding never enters a score.
         max_length: truncation length for string inputs (None: no truncation).
-        progress: show a progress bar (tqdm when installed) over the batches.
+        progress: show a progress bar (tqdm when installed).
+        objective: one of :data:`OBJECTIVES`: ``"attention"`` (default, the INT4 attention-output score
+            CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"`` (end to end: KL of the final
+            next-token distribution with one layer at int4, L + 1 forwards per batch; needs logits).
 
-    Returns a :class:`CalibrationResult` (``plan, scores = calibrate(...)``): ``scores[layer]`` has
-    the mean and worst score over inputs. ``model.config.qattn_plan`` holds ``plan.to_dict()``.
+    Returns a :class:`CalibrationResult` (``plan, scores = calibrate(...)``): ``scores[layer]`` has the
+    mean and worst over inputs (a :class:`~hf_qattn.scoring.Score` or a :class:`Sensitivity`), plus the
+    number of forwards and seconds spent. ``model.config.qattn_plan`` holds ``plan.to_dict()``.
     The model comes back in its previous attention implementation and train/eval mode.
     """
     check_ratio(ratio, "layers")
+    check_objective(objective)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
     config = getattr(model, "config", None)
@@ -169,32 +375,29 @@ def calibrate(
     batches = _batches(inputs, tokenizer, batch_size, max_length)
     device = _model_device(model)
     accepts_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    calls = []
+    for batch in batches:
+        call = {name: (value.to(device) if isinstance(value, torch.Tensor) else value) for name, value in batch.items()}
+        if accepts_use_cache:
+            call.setdefault("use_cache", False)
+        calls.append(call)
 
     previous_impl = config._attn_implementation
     was_training = model.training
-    collector = _ScoreCollector()
+    run, _cost = OBJECTIVES[objective]
+    started = time.perf_counter()
     model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
     try:
         model.eval()
-        with torch.no_grad(), attention.calibrating(collector):
-            for batch in _progress(batches, progress, "hf_qattn calibrate"):
-                call = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
-                        for name, value in batch.items()}
-                if accepts_use_cache:
-                    call.setdefault("use_cache", False)
-                model(**call)
+        with torch.no_grad():
+            scores, ranking, extra, skipped, forwards = run(model, calls, progress)
     finally:
         model.set_attn_implementation(previous_impl)
         model.train(was_training)
+    seconds = time.perf_counter() - started
 
-    scores = collector.scores()
-    if not scores:
-        reasons = ", ".join(f"{reason} ({n})" for reason, n in collector.skipped.items()) or "no attention call seen"
-        raise RuntimeError("calibration scored no layer: the model's attention never reached hf_qattn "
-                           f"({reasons}); does this model use transformers' attention interface?")
-    meta = describe(batches=len(batches),
-                    scores={str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()})
-    plan = QAttnPlan.from_scores({layer: s.mean for layer, s in scores.items()}, ratio,
-                                 num_layers=attention._num_layers(config), meta=meta)
+    meta = describe(batches=len(batches), objective=objective, forwards=forwards, **extra)
+    plan = QAttnPlan.from_scores(ranking, ratio, num_layers=attention._num_layers(config), meta=meta)
     setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
-    return CalibrationResult(plan=plan, scores=scores, skipped=dict(collector.skipped))
+    return CalibrationResult(plan=plan, scores=scores, skipped=dict(skipped), objective=objective,
+                             forwards=forwards, seconds=seconds)

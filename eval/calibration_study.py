@@ -1,0 +1,228 @@
+"""Which calibration objective earns its 8-bit layers? Per-layer attention score vs end-to-end KL, and plan perplexity.
+
+    python eval/calibration_study.py                       # SmolLM2-135M-Instruct, CPU: ~20 min on 2 cores
+    python eval/calibration_study.py --ratios 0.3 --test-windows 2 --test-len 512
+
+1. Calibrates SmolLM2 on ``--cal-windows`` windows of ``--cal-len`` tokens of WikiText-2 *validation* text with
+   both objectives of ``hf_qattn.calibrate``: ``attention`` (CosSim·(1 − RelL1) of each layer's INT4 attention
+   output) and ``logit-kl`` (KL of the final next-token distribution with that layer alone at int4).
+2. Reports both per layer and their Spearman rank correlation (attention score taken as 1 − score, so that
+   both read "higher = more harmed by int4").
+3. Perplexity on ``--test-windows`` windows of ``--test-len`` tokens of WikiText-2 *test* text, computed
+   directly with the model's loss (token-level, not lm-eval's word perplexity: fast, comparable between
+   modes only): sdpa, int8 everywhere, int4 everywhere, and each objective's plan at every ``--ratios`` value;
+   recovery = (ppl_int4 − ppl_plan) / (ppl_int4 − ppl_sdpa).
+
+Writes eval/results/calibration-study-cpu-<date>.md (rewritten after every measurement, so a cut-short run
+keeps what it measured) and a JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MODEL = os.path.expanduser("~/.cache/hf_qattn/models/SmolLM2-135M-Instruct")
+DATA = "/work/shared/data/wikitext2"
+
+
+def windows(tokenizer, path: str, count: int, length: int, chars: int = 400_000):
+    """``count`` windows of ``length`` tokens, spread evenly over the start of the file's token stream."""
+    import torch
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read(chars)
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
+    need = count * length
+    if ids.numel() < need:
+        raise SystemExit(f"{path}: only {ids.numel()} tokens in the first {chars} characters; need {need}")
+    stride = (ids.numel() - length) // max(count - 1, 1) if count > 1 else 0
+    return torch.stack([ids[i * stride : i * stride + length] for i in range(count)])
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+
+
+def perplexity(model, test, impl: str, plan: dict | None) -> tuple[float, float]:
+    """(token perplexity over all windows, seconds): mean next-token NLL from the model's own loss."""
+    import torch
+
+    from hf_qattn.plan import PLAN_CONFIG_KEY
+
+    started = time.perf_counter()
+    if plan is None:
+        if hasattr(model.config, PLAN_CONFIG_KEY):
+            delattr(model.config, PLAN_CONFIG_KEY)
+    else:
+        setattr(model.config, PLAN_CONFIG_KEY, plan)
+    model.set_attn_implementation(impl)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for row in test:
+            ids = row[None]
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            nll += float(loss) * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    model.set_attn_implementation("sdpa")
+    return math.exp(nll / count), time.perf_counter() - started
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--cal-windows", type=int, default=2)
+    parser.add_argument("--cal-len", type=int, default=256)
+    parser.add_argument("--test-windows", type=int, default=2)
+    parser.add_argument("--test-len", type=int, default=512)
+    parser.add_argument("--ratios", default="0.3,0.1,0.5", help="ξ values, in the order they are measured")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_qattn
+    from hf_qattn import QAttnPlan
+
+    torch.manual_seed(0)
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(HERE, "results", f"calibration-study-cpu-{date}.md")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    num_layers = model.config.num_hidden_layers
+    cal = windows(tokenizer, os.path.join(DATA, "valid.txt"), args.cal_windows, args.cal_len)
+    test = windows(tokenizer, os.path.join(DATA, "test.txt"), args.test_windows, args.test_len)
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE).stdout.strip()
+    except OSError:
+        commit = "?"
+    state: dict = {"date": date, "model": args.model, "layers": num_layers, "commit": commit,
+                   "calibration": f"{args.cal_windows} WikiText-2 validation windows × {args.cal_len} tokens",
+                   "test": f"{args.test_windows} WikiText-2 test windows × {args.test_len} tokens",
+                   "versions": {"hf_qattn": hf_qattn.__version__, "torch": torch.__version__,
+                                "transformers": transformers.__version__, "python": platform.python_version()},
+                   "threads": torch.get_num_threads(), "objectives": {}, "ppl": {}}
+
+    def save():
+        write_report(out, state)
+
+    results = {}
+    for objective in ("attention", "logit-kl"):
+        print(f"calibrating: {objective}", flush=True)
+        result = hf_qattn.calibrate(model, {"input_ids": cal}, 0.3, objective=objective, progress=True)
+        results[objective] = result
+        state["objectives"][objective] = {
+            "forwards": result.forwards, "seconds": round(result.seconds, 1),
+            "per_layer": {str(l): [s.mean, s.worst] for l, s in sorted(result.scores.items())}}
+        save()
+    attn = results["attention"].scores
+    kl = results["logit-kl"].scores
+    layers = sorted(kl)
+    state["spearman"] = spearman([1 - attn[l].mean for l in layers], [kl[l].mean for l in layers])
+    save()
+
+    def ranking(objective):
+        s = results[objective].scores
+        return {l: (s[l].mean if objective == "attention" else -s[l].mean) for l in s}
+
+    def measure(name, impl, plan):
+        ppl, seconds = perplexity(model, test, impl, plan)
+        state["ppl"][name] = {"ppl": ppl, "seconds": round(seconds, 1),
+                              "int8_layers": sorted(l for l, p in (QAttnPlan.from_dict(plan).layers.items()
+                                                                   if plan else []) if p == "int8")}
+        print(f"{name}: ppl {ppl:.4f} ({seconds:.0f} s)", flush=True)
+        save()
+
+    measure("sdpa", "sdpa", None)
+    measure("int4", "qattn", QAttnPlan(default="int4", num_layers=num_layers).to_dict())
+    for ratio in ratios:
+        for objective in ("attention", "logit-kl"):
+            plan = QAttnPlan.from_scores(ranking(objective), ratio, num_layers=num_layers)
+            measure(f"{objective} ξ={ratio:g}", "qattn", plan.to_dict())
+        if ratio == ratios[0]:
+            measure("int8", "qattn", QAttnPlan(default="int8", num_layers=num_layers).to_dict())
+    return 0
+
+
+def write_report(path: str, state: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(os.path.splitext(path)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=1)
+    lines = [f"# Calibration objectives on {os.path.basename(state['model'])} (cpu, {state['date']})", "",
+             "Produced by `python eval/calibration_study.py` (" + " ".join(sys.argv[1:]) + ")", "",
+             f"- model: `{os.path.basename(state['model'])}`, {state['layers']} layers, float32",
+             f"- calibration: {state['calibration']} (both objectives on the same tokens)",
+             f"- test: {state['test']}; token-level perplexity from the model's own loss (not lm-eval's word "
+             "perplexity: compare rows of this table only); short test text, so differences under ~0.3 % are noise",
+             f"- device: CPU ({platform.machine()}, {state['threads']} threads, shared with other jobs); qattn on the "
+             "PyTorch reference of the kernels' math",
+             f"- versions: {state['versions']}; commit {state['commit']} plus this change", ""]
+    objectives = state["objectives"]
+    if objectives:
+        lines.append("## Cost")
+        lines.append("")
+        lines.append("| objective | forwards | seconds |")
+        lines.append("|---|---|---|")
+        for name, entry in objectives.items():
+            lines.append(f"| {name} | {entry['forwards']} | {entry['seconds']} |")
+        lines.append("")
+    if "attention" in objectives and "logit-kl" in objectives and "spearman" in state:
+        attn, kl = objectives["attention"]["per_layer"], objectives["logit-kl"]["per_layer"]
+        rank_attn = {l: r for r, l in enumerate(sorted(attn, key=lambda l: attn[l][0]), 1)}
+        rank_kl = {l: r for r, l in enumerate(sorted(kl, key=lambda l: -kl[l][0]), 1)}
+        lines += ["## Per layer", "",
+                  f"Spearman rank correlation of (1 − attention score) with logit KL: **{state['spearman']:+.3f}** "
+                  "(1: the attention score orders the layers exactly as their end-to-end harm).", "",
+                  "| layer | attention score (mean) | rank (worst = 1) | logit KL, nats/token (mean) | rank (worst = 1) |",
+                  "|---|---|---|---|---|"]
+        for l in sorted(kl, key=int):
+            lines.append(f"| {l} | {attn[l][0]:.5f} | {rank_attn[l]} | {kl[l][0]:.6f} | {rank_kl[l]} |")
+        lines.append("")
+    ppl = state["ppl"]
+    if ppl:
+        base, int4 = ppl.get("sdpa", {}).get("ppl"), ppl.get("int4", {}).get("ppl")
+        lines += ["## Perplexity on the test windows", "",
+                  "| mode | token perplexity | Δ vs sdpa | recovery of int4's increase | int8 layers | seconds |",
+                  "|---|---|---|---|---|---|"]
+        for name, entry in ppl.items():
+            delta = f"{100 * (entry['ppl'] / base - 1):+.2f} %" if base else ""
+            recovery = ""
+            if base and int4 and name not in ("sdpa", "int4") and int4 != base:
+                recovery = f"{100 * (int4 - entry['ppl']) / (int4 - base):.0f} %"
+            layers = ", ".join(str(l) for l in entry["int8_layers"]) if 0 < len(entry["int8_layers"]) < state["layers"] else ""
+            lines.append(f"| {name} | {entry['ppl']:.4f} | {delta} | {recovery} | {layers} | {entry['seconds']} |")
+        lines.append("")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
