@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--test-windows", type=int, default=2)
     parser.add_argument("--test-len", type=int, default=512)
     parser.add_argument("--ratios", default="0.3,0.1,0.5", help="ξ values, in the order they are measured")
+    parser.add_argument("--objectives", default="attention,logit-kl",
+                        help="comma list of hf_qattn.calibrate objectives (attention is always included)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -134,8 +136,9 @@ def main(argv=None) -> int:
     def save():
         write_report(out, state)
 
+    objectives = ["attention"] + [o for o in args.objectives.split(",") if o and o != "attention"]
     results = {}
-    for objective in ("attention", "logit-kl"):
+    for objective in objectives:
         print(f"calibrating: {objective}", flush=True)
         result = hf_qattn.calibrate(model, {"input_ids": cal}, 0.3, objective=objective, progress=True)
         results[objective] = result
@@ -144,9 +147,11 @@ def main(argv=None) -> int:
             "per_layer": {str(l): [s.mean, s.worst] for l, s in sorted(result.scores.items())}}
         save()
     attn = results["attention"].scores
-    kl = results["logit-kl"].scores
-    layers = sorted(kl)
-    state["spearman"] = spearman([1 - attn[l].mean for l in layers], [kl[l].mean for l in layers])
+    state["spearman"] = {}
+    for objective in objectives[1:]:
+        other = results[objective].scores
+        layers = sorted(other)
+        state["spearman"][objective] = spearman([1 - attn[l].mean for l in layers], [other[l].mean for l in layers])
     save()
 
     def ranking(objective):
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
     measure("sdpa", "sdpa", None)
     measure("int4", "qattn", QAttnPlan(default="int4", num_layers=num_layers).to_dict())
     for ratio in ratios:
-        for objective in ("attention", "logit-kl"):
+        for objective in objectives:
             plan = QAttnPlan.from_scores(ranking(objective), ratio, num_layers=num_layers)
             measure(f"{objective} ξ={ratio:g}", "qattn", plan.to_dict())
         if ratio == ratios[0]:
@@ -194,17 +199,23 @@ def write_report(path: str, state: dict) -> None:
         for name, entry in objectives.items():
             lines.append(f"| {name} | {entry['forwards']} | {entry['seconds']} |")
         lines.append("")
-    if "attention" in objectives and "logit-kl" in objectives and "spearman" in state:
-        attn, kl = objectives["attention"]["per_layer"], objectives["logit-kl"]["per_layer"]
-        rank_attn = {l: r for r, l in enumerate(sorted(attn, key=lambda l: attn[l][0]), 1)}
-        rank_kl = {l: r for r, l in enumerate(sorted(kl, key=lambda l: -kl[l][0]), 1)}
-        lines += ["## Per layer", "",
-                  f"Spearman rank correlation of (1 − attention score) with logit KL: **{state['spearman']:+.3f}** "
-                  "(1: the attention score orders the layers exactly as their end-to-end harm).", "",
-                  "| layer | attention score (mean) | rank (worst = 1) | logit KL, nats/token (mean) | rank (worst = 1) |",
-                  "|---|---|---|---|---|"]
-        for l in sorted(kl, key=int):
-            lines.append(f"| {l} | {attn[l][0]:.5f} | {rank_attn[l]} | {kl[l][0]:.6f} | {rank_kl[l]} |")
+    if "attention" in objectives and state.get("spearman"):
+        names = [n for n in objectives if n in state["spearman"] or n == "attention"]
+        per = {n: objectives[n]["per_layer"] for n in names}
+        ranks = {n: {l: r for r, l in enumerate(sorted(per[n], key=lambda l: per[n][l][0] * (1 if n == "attention"
+                                                                                             else -1)), 1)}
+                 for n in names}
+        lines += ["## Per layer", ""]
+        for n, rho in state["spearman"].items():
+            lines.append(f"Spearman rank correlation of (1 − attention score) with {n}: **{rho:+.3f}** "
+                         "(1: the attention score orders the layers exactly as that end-to-end measure).")
+        units = {"attention": "attention score (mean)", "logit-kl": "logit KL, nats/token (mean)",
+                 "logit-kl-gain": "KL drop when int8, nats/token (mean)"}
+        lines += ["", "| layer | " + " | ".join(f"{units.get(n, n)} | rank (worst = 1)" for n in names) + " |",
+                  "|---|" + "---|---|" * len(names)]
+        for l in sorted(per["attention"], key=int):
+            cells = " | ".join(f"{per[n][l][0]:.6f} | {ranks[n][l]}" for n in names if l in per[n])
+            lines.append(f"| {l} | {cells} |")
         lines.append("")
     ppl = state["ppl"]
     if ppl:

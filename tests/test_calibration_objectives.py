@@ -18,7 +18,7 @@ def token_batches(count: int, batch: int = 2, length: int = 12):
 
 
 def test_objective_registry():
-    assert set(calibration.OBJECTIVES) == {"attention", "logit-kl"}
+    assert set(calibration.OBJECTIVES) == {"attention", "logit-kl", "logit-kl-gain"}
     assert calibration.DEFAULT_OBJECTIVE == "attention"
     for run, cost in calibration.OBJECTIVES.values():
         assert callable(run) and "forward" in cost
@@ -26,7 +26,7 @@ def test_objective_registry():
 
 def test_unknown_objective_names_the_choices(tiny_model):
     model = tiny_model("llama", head="lm")
-    with pytest.raises(ValueError, match=r"objective must be one of \['attention', 'logit-kl'\]; got 'nope'"):
+    with pytest.raises(ValueError, match=r"objective must be one of \['attention', 'logit-kl', 'logit-kl-gain'\]; got 'nope'"):
         calibrate(model, token_batches(1), objective="nope", progress=False)
 
 
@@ -47,20 +47,21 @@ def test_logit_kl_costs_layers_plus_one_forwards_and_ranks_by_kl(tiny_model):
     assert result.to_dict()["metric"] == calibration.KL_METRIC
 
 
-def test_logit_kl_promotes_the_layer_whose_int4_is_harmful(tiny_model, monkeypatch):
+@pytest.mark.parametrize("objective", ["logit-kl", "logit-kl-gain"])
+def test_logit_kl_promotes_the_layer_whose_int4_is_harmful(objective, tiny_model, monkeypatch):
     model = tiny_model("llama", head="lm", num_hidden_layers=4)
     real = attention.api.qattn
     fragile = 2
 
     def harmful_at_fragile_layer(q, k, v, **kwargs):
         out = real(q, k, v, **kwargs)
-        plan = getattr(model.config, PLAN_CONFIG_KEY)  # during logit-kl: the one layer at int4
-        if plan.layers.get(fragile) == "int4":
+        plan = getattr(model.config, PLAN_CONFIG_KEY)  # the probe's plan
+        if plan.precision(fragile) == "int4":
             out = out + 5.0 * torch.randn_like(out)
         return out
 
     monkeypatch.setattr(attention.api, "qattn", harmful_at_fragile_layer)
-    plan, scores = calibrate(model, token_batches(2), ratio=0.25, objective="logit-kl", progress=False)
+    plan, scores = calibrate(model, token_batches(2), ratio=0.25, objective=objective, progress=False)
     assert max(scores, key=lambda layer: scores[layer].mean) == fragile
     assert [layer for layer in range(4) if plan.precision(layer) == "int8"] == [fragile]
 
@@ -78,6 +79,14 @@ def test_logit_kl_counts_real_tokens_only_and_ignores_an_existing_plan(tiny_mode
               "attention_mask": torch.cat([torch.ones(1, 10, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)], 1)}
     for s in calibrate(model, padded, objective="logit-kl", progress=False).scores.values():
         assert s.tokens == 10 and s.count == 1 and s.mean >= 0.0
+
+
+def test_logit_kl_gain_costs_layers_plus_two_forwards(tiny_model):
+    model = tiny_model("llama", head="lm", num_hidden_layers=3)
+    result = calibrate(model, token_batches(1), ratio=0.34, objective="logit-kl-gain", progress=False)
+    assert result.forwards == 3 + 2 and result.plan.count()["int8"] == 1
+    assert result.to_dict()["metric"] == calibration.KL_GAIN_METRIC
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_logit_kl_needs_logits(tiny_model):

@@ -8,6 +8,9 @@ Two objectives (:data:`OBJECTIVES`, ``calibrate(..., objective=...)``), one plan
   with every layer full precision, averaged over the calibration tokens; the largest ``ratio`` share
   of layers becomes ``"int8"``. Cost: (L + 1) forwards per input batch (one full precision, one per
   layer), for a model whose output has ``logits``.
+- ``"logit-kl-gain"`` (end to end, in the setting a plan runs in): per layer, how much that KL (now of
+  the all-int4 model) drops when that layer alone is promoted to int8; the largest gains become
+  ``"int8"``. Cost: (L + 2) forwards per input batch, most layers int4 in each (slow on a CPU).
 
 Attention objective: the model runs with full-precision attention on a few real inputs (its outputs are the
 full-precision ones). At every attention call the INT4 kernel is scored on the very Q, K, V the
@@ -36,6 +39,7 @@ from .attention import layer_index
 
 
 KL_METRIC = "mean KL(p_full || p_int4 layer) per token, nats"
+KL_GAIN_METRIC = "mean KL(p_full || p_all int4) - KL(p_full || p_all int4 but this layer int8) per token, nats"
 
 
 @dataclass
@@ -71,8 +75,8 @@ class CalibrationResult(CalibrationOutcome):
         body = self._json(plan=self.plan.to_dict(), objective=self.objective, forwards=self.forwards,
                           seconds=round(self.seconds, 3),
                           layers={str(layer): score.as_dict() for layer, score in sorted(self.scores.items())})
-        if self.objective == "logit-kl":
-            body["metric"] = KL_METRIC
+        if self.objective in ("logit-kl", "logit-kl-gain"):
+            body["metric"] = KL_METRIC if self.objective == "logit-kl" else KL_GAIN_METRIC
         return body
 
 
@@ -250,60 +254,83 @@ def _run_attention(model, calls, progress: bool):
     return scores, ranking, meta, collector.skipped, len(calls)
 
 
-def _run_logit_kl(model, calls, progress: bool):
-    """Objective ``"logit-kl"``: per batch one full-precision forward, then one per layer with only it at int4."""
-    from . import attention
+def _kl_runner(base: str, probe: str):
+    """A ``logit-kl`` runner: per batch one full-precision forward (the reference), then — with every layer at
+    ``base`` — one forward per layer with that layer alone at ``probe``. With ``base`` unquantized a layer's
+    score is the KL of its probe from the reference; otherwise one more forward (all at ``base``) is run and a
+    layer's score is how much the KL drops when it alone runs ``probe`` (the gain of promoting it)."""
+    gain = base != UNQUANTIZED
 
-    config = model.config
-    had_plan = hasattr(config, PLAN_CONFIG_KEY)
-    previous_plan = getattr(config, PLAN_CONFIG_KEY, None)
-    totals: dict[int, float] = {}
-    worst: dict[int, float] = {}
-    sequences, tokens, forwards = 0, 0, 0
-    recorder = _LayerRecorder()
-    layers: list[int] | None = None
-    bar = _Bar(progress, "hf_qattn calibrate (logit-kl: L+1 forwards per batch)")
-    try:
-        for call in calls:
-            with attention.calibrating(recorder):  # full precision everywhere; notes the layers the kernel serves
-                reference = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
-            forwards += 1
-            if layers is None:
-                layers = sorted(recorder.layers)
-                if not layers:
-                    _nothing_scored(recorder.skipped)
-                bar.start(len(calls) * (len(layers) + 1))
-            bar.step()
-            mask = _token_mask(call, reference)
-            counts = mask.sum(dim=1)
-            probs = reference.exp()
-            for layer in layers:
-                setattr(config, PLAN_CONFIG_KEY, QAttnPlan(default=UNQUANTIZED, layers={layer: "int4"}))
-                probe = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
+    def run(model, calls, progress: bool):
+        from . import attention
+
+        config = model.config
+        had_plan = hasattr(config, PLAN_CONFIG_KEY)
+        previous_plan = getattr(config, PLAN_CONFIG_KEY, None)
+        totals: dict[int, float] = {}
+        worst: dict[int, float] = {}
+        sequences, tokens, forwards = 0, 0, 0
+        recorder = _LayerRecorder()
+        layers: list[int] | None = None
+        extra = 2 if gain else 1
+        bar = _Bar(progress, f"hf_qattn calibrate (logit-kl{'-gain' if gain else ''}: L+{extra} forwards per batch)")
+
+        def kl_from(reference, probs, plan, mask):
+            setattr(config, PLAN_CONFIG_KEY, plan)
+            probe_logp = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
+            return (probs * (reference - probe_logp)).sum(dim=-1).masked_fill(~mask, 0.0)  # (batch, tokens)
+
+        try:
+            for call in calls:
+                with attention.calibrating(recorder):  # full precision everywhere; notes the layers the kernel serves
+                    reference = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
                 forwards += 1
-                kl = (probs * (reference - probe)).sum(dim=-1).masked_fill(~mask, 0.0)  # (batch, tokens)
-                totals[layer] = totals.get(layer, 0.0) + float(kl.sum())
-                per_sequence = kl.sum(dim=1) / counts.clamp(min=1)
-                if bool((counts > 0).any()):
-                    worst[layer] = max(worst.get(layer, -math.inf), float(per_sequence[counts > 0].max()))
-                del probe, kl
+                if layers is None:
+                    layers = sorted(recorder.layers)
+                    if not layers:
+                        _nothing_scored(recorder.skipped)
+                    bar.start(len(calls) * (len(layers) + extra))
                 bar.step()
-            sequences += int((counts > 0).sum())
-            tokens += int(counts.sum())
-    finally:
-        bar.close()
-        if had_plan:
-            setattr(config, PLAN_CONFIG_KEY, previous_plan)
-        elif hasattr(config, PLAN_CONFIG_KEY):
-            delattr(config, PLAN_CONFIG_KEY)
-    if tokens == 0:
-        raise ValueError("objective 'logit-kl' saw no tokens (every attention_mask entry is 0)")
-    scores = {layer: Sensitivity(mean=totals[layer] / tokens, worst=worst[layer], count=sequences, tokens=tokens)
-              for layer in layers}
-    ranking = {layer: -s.mean for layer, s in scores.items()}  # largest KL first → int8
-    meta = {"metric": KL_METRIC, "tokens": tokens,
-            "scores": {str(layer): [round(s.mean, 8), round(s.worst, 8)] for layer, s in scores.items()}}
-    return scores, ranking, meta, recorder.skipped, forwards
+                mask = _token_mask(call, reference)
+                counts = mask.sum(dim=1)
+                probs = reference.exp()
+                baseline = None
+                if gain:
+                    baseline = kl_from(reference, probs, QAttnPlan(default=base), mask)
+                    forwards += 1
+                    bar.step()
+                for layer in layers:
+                    kl = kl_from(reference, probs, QAttnPlan(default=base, layers={layer: probe}), mask)
+                    forwards += 1
+                    if baseline is not None:
+                        kl = baseline - kl
+                    totals[layer] = totals.get(layer, 0.0) + float(kl.sum())
+                    if bool((counts > 0).any()):
+                        per_sequence = kl.sum(dim=1) / counts.clamp(min=1)
+                        worst[layer] = max(worst.get(layer, -math.inf), float(per_sequence[counts > 0].max()))
+                    bar.step()
+                sequences += int((counts > 0).sum())
+                tokens += int(counts.sum())
+        finally:
+            bar.close()
+            if had_plan:
+                setattr(config, PLAN_CONFIG_KEY, previous_plan)
+            elif hasattr(config, PLAN_CONFIG_KEY):
+                delattr(config, PLAN_CONFIG_KEY)
+        if tokens == 0:
+            raise ValueError("objective 'logit-kl' saw no tokens (every attention_mask entry is 0)")
+        scores = {layer: Sensitivity(mean=totals[layer] / tokens, worst=worst[layer], count=sequences, tokens=tokens)
+                  for layer in layers}
+        ranking = {layer: -s.mean for layer, s in scores.items()}  # largest first → int8
+        meta = {"metric": KL_GAIN_METRIC if gain else KL_METRIC, "tokens": tokens,
+                "scores": {str(layer): [round(s.mean, 8), round(s.worst, 8)] for layer, s in scores.items()}}
+        return scores, ranking, meta, recorder.skipped, forwards
+
+    return run
+
+
+_run_logit_kl = _kl_runner(UNQUANTIZED, "int4")
+_run_logit_kl_gain = _kl_runner("int4", "int8")
 
 
 def _nothing_scored(skipped) -> None:
@@ -320,6 +347,9 @@ OBJECTIVES = {
                                   "output on its own Q, K, V (lowest → int8)"),
     "logit-kl": (_run_logit_kl, "L+1 forwards per input batch: KL of the final next-token distribution with that "
                                 "layer alone at int4 vs full precision (largest → int8)"),
+    "logit-kl-gain": (_run_logit_kl_gain, "L+2 forwards per input batch (most layers int4: slow on CPU): how much "
+                                          "the KL of the final next-token distribution from full precision drops "
+                                          "when that layer alone is int8 and all others int4 (largest → int8)"),
 }
 DEFAULT_OBJECTIVE = "attention"
 
@@ -355,7 +385,8 @@ def calibrate(
         progress: show a progress bar (tqdm when installed).
         objective: one of :data:`OBJECTIVES`: ``"attention"`` (default, the INT4 attention-output score
             CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"`` (end to end: KL of the final
-            next-token distribution with one layer at int4, L + 1 forwards per batch; needs logits).
+            next-token distribution with one layer at int4, L + 1 forwards per batch; needs logits) or
+            ``"logit-kl-gain"`` (the KL drop when one layer of an all-int4 model is int8; L + 2 forwards).
 
     Returns a :class:`CalibrationResult` (``plan, scores = calibrate(...)``): ``scores[layer]`` has the
     mean and worst over inputs (a :class:`~hf_qattn.scoring.Score` or a :class:`Sensitivity`), plus the
