@@ -80,20 +80,32 @@ class CalibrationResult(CalibrationOutcome):
         return body
 
 
-class _ScoreCollector:
-    """Receives each attention call during calibration and keeps per-layer running sums only."""
+class _Observer:
+    """What every calibration observer does with calls the kernel cannot serve, or that have no layer."""
 
     def __init__(self):
-        self.sums: dict[int, ScoreSums] = {}
         self.skipped: Counter = Counter()
 
     def skip(self, module, reason: str) -> None:
         self.skipped[reason] += 1
 
-    def observe(self, module, query, key, value, pattern, scaling) -> None:
+    def _layer(self, module) -> int | None:
         layer = layer_index(module)
         if layer is None:
             self.skipped["attention module without a layer index"] += 1
+        return layer
+
+
+class _ScoreCollector(_Observer):
+    """Receives each attention call during calibration and keeps per-layer running sums only."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums: dict[int, ScoreSums] = {}
+
+    def observe(self, module, query, key, value, pattern, scaling) -> None:
+        layer = self._layer(module)
+        if layer is None:
             return
         nq = query.shape[2]
         key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
@@ -172,21 +184,16 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-class _LayerRecorder:
+class _LayerRecorder(_Observer):
     """Observer of the full-precision pass of ``"logit-kl"``: which layers the kernel can serve."""
 
     def __init__(self):
+        super().__init__()
         self.layers: set[int] = set()
-        self.skipped: Counter = Counter()
-
-    def skip(self, module, reason: str) -> None:
-        self.skipped[reason] += 1
 
     def observe(self, module, query, key, value, pattern, scaling) -> None:
-        layer = layer_index(module)
-        if layer is None:
-            self.skipped["attention module without a layer index"] += 1
-        else:
+        layer = self._layer(module)
+        if layer is not None:
             self.layers.add(layer)
 
 
