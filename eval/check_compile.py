@@ -32,8 +32,10 @@ import traceback
 import torch
 
 # the installed package (eval/device_run.sh installs the wheel: the source tree has no hf_qattn.kernels)
+import hf_qattn
 
-import hf_qattn  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_models import median_ms  # noqa: E402
 
 ROWS: list[dict] = []
 FAILED: list[str] = []
@@ -50,20 +52,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def timed(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of fn() (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    """Median milliseconds of fn() (CUDA events), as the model benchmark times."""
+    return median_ms(fn, iters, warmup)
 
 
 def breaks(fn, *args, **kwargs) -> tuple[int, str]:

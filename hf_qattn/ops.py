@@ -59,7 +59,7 @@ def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: f
 
     # torch sums in an order that depends on strides: contiguous HND views make both layouts bit-identical
     qh, kh, vh = (t.contiguous() for t in (qh, kh, vh))
-    # the tiles the H100 runs, so a CPU result is what the GPU kernels would compute
+    # the portable Triton kernel's tiles on sm90 (the Hopper kernel's granularities differ: see the README)
     settings = reference_settings(attention_config("sm90", qh.shape[-1], is_causal, pv, qk))
     result = reference.quantized_attention(
         qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv="fp8_e4m3" if pv == "fp8" else "fp16",

@@ -13,6 +13,7 @@ by strides (an NHD tensor is passed as its transposed view: no copy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -183,16 +184,14 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
                          kv_end, return_lse: bool, stages: int, pingpong: bool):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
     from .hopper.attention import attention_kernel as hopper_kernel
-    from .hopper.gluon_api import TensorDescriptor as GluonDescriptor, gl
+    from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
     block_n, d_pad = tuning.hopper_config(d)["BLOCK_N"], tuning.padded_head_dim(d)
-    k_desc = GluonDescriptor.from_tensor(kv.kq, [block_n, d_pad],
-                                         gl.NVMMASharedLayout.get_default_for([block_n, d_pad], gl.int8))
-    vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n],
-                                          gl.NVMMASharedLayout.get_default_for([d_pad, block_n], gl.float8e4nv))
-    ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n],
-                                          gl.NVMMASharedLayout.get_default_for([block_n], gl.float32))
+    k_layout, vt_layout, ds_layout = _hopper_layouts(block_n, d_pad)
+    k_desc = GluonDescriptor.from_tensor(kv.kq, [block_n, d_pad], k_layout)
+    vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout)
+    ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
     hopper_kernel[(triton.cdiv(nq, 128), b * hq)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
@@ -203,3 +202,14 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, num_warps=4,
     )
     return lse
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_layouts(block_n: int, d_pad: int):
+    """Shared-memory layouts of the K̂, V̂ᵀ and ΔS tiles (fixed per configuration: built once, not per call)."""
+    from .hopper.gluon_api import gl
+
+    return (gl.NVMMASharedLayout.get_default_for([block_n, d_pad], gl.int8),
+            gl.NVMMASharedLayout.get_default_for([d_pad, block_n], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([block_n], gl.float32))
+

@@ -58,8 +58,9 @@ def _attention_config(arch: str, head_dim: int, causal: bool, pv: str, qk: str) 
     return config
 
 
+@functools.lru_cache(maxsize=None)
 def hopper_config(head_dim: int) -> dict:
-    """BLOCK_N and STAGES of the sm90 Gluon kernel for this head dim (``hopper`` in kernels.json)."""
+    """The sm90 Gluon kernel's settings for this head dim (``hopper`` in kernels.json); cached, read-only."""
     entry = table()["hopper"]
     return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
 
