@@ -113,15 +113,23 @@ def effective_qk(q: torch.Tensor, qk: str) -> str:
     return qk
 
 
+def _hopper_unbuildable(q: torch.Tensor) -> str | None:
+    """Why the Hopper kernel cannot be built for this sm90 GPU (None: it can, or q is not on one)."""
+    if q.device.type != "cuda" or capability(q.device) != (9, 0) or not triton_available():
+        return None
+    from hf_qattn.kernels.hopper.gluon_api import missing
+
+    gap = missing()
+    return None if gap is None else f"{REASON_NO_GLUON}: {gap}"
+
+
 def _hopper_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
     if q.device.type != "cuda" or capability(q.device) != (9, 0):
         return "not an sm90 GPU"
     if not triton_available():
         return "Triton is not installed"
-    from hf_qattn.kernels.hopper.gluon_api import missing
-
-    if (gap := missing()) is not None:
-        return f"{REASON_NO_GLUON}: {gap}"
+    if (gap := _hopper_unbuildable(q)) is not None:
+        return gap
     if q.shape[-1] > 128:
         return "head_dim > 128 (the Hopper kernel's registers)"
     if qk != "int8" or pv != "fp8":
@@ -147,11 +155,14 @@ class KernelPath:
 
     auto_on: tuple[str, ...]
     gap: Callable[[torch.Tensor, str, str], str | None]  # (q, qk, pv) -> reason or None
+    # why the path, made for q's GPU, cannot be built with what is installed: a later path serving the
+    # call instead is then a degradation, counted and warned (None: the path is buildable, or not for q)
+    unbuildable: Callable[[torch.Tensor], str | None] = lambda q: None
 
 
 # In order of preference for backend="auto". A new path is one entry here.
 KERNEL_PATHS: dict[str, KernelPath] = {
-    HOPPER: KernelPath(auto_on=("cuda",), gap=_hopper_gap),
+    HOPPER: KernelPath(auto_on=("cuda",), gap=_hopper_gap, unbuildable=_hopper_unbuildable),
     TRITON: KernelPath(auto_on=("cuda",), gap=_triton_gap),
     REFERENCE: KernelPath(auto_on=("cpu",), gap=lambda q, qk, pv: None),
 }
@@ -189,6 +200,5 @@ def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: st
                 if degraded is not None:  # counted and warned here; the caller counts the call as usual
                     stats.record_degraded(degraded, name)
                 return name, None
-            if reason.startswith(REASON_NO_GLUON):
-                degraded = reason
+            degraded = degraded or path.unbuildable(q)
     return SDPA, reason
