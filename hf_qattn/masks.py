@@ -1,17 +1,28 @@
-"""Which keys each query sees — the one masking rule the kernels, the reference and the fallback share.
+"""Which keys each query sees — the one masking rule the kernels, the reference and the fallback share,
+and the one analysis that turns an attention mask into that rule (for both integrations).
 
 A query row ``i`` of sequence ``b`` sees key ``j`` when
 
-    kv_start[b] <= j < kv_end[b]                      (per-sequence key range: left/right padding)
-    and (not causal or j <= i + (Nk - Nq))            (causal, aligned bottom-right like FlashAttention)
+    j < kv_len                                        (keys past kv_len are dropped: e.g. empty static-cache slots)
+    and kv_start[b] <= j < kv_end[b]                  (per-sequence key range: left/right padding)
+    and (not causal or j <= i + (kv_len - Nq))        (causal, aligned bottom-right like FlashAttention)
 
-``kv_start`` / ``kv_end`` are optional int tensors of shape (batch,); absent means 0 / Nk. A row
+``kv_start`` / ``kv_end`` are optional int tensors of shape (batch,); absent means 0 / kv_len. A row
 that sees no key at all produces zeros (and log-sum-exp −inf), as in FlashAttention.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+# An additive mask entry at or below this hides its key: exp(-5000 + score range) underflows to 0
+# in float32 for any realistic score range, so -1e4 (the old diffusers convention, -9984 in bf16),
+# finfo.min and -inf all count as "hidden"; any other non-zero value is a bias the kernels lack.
+HIDDEN_BELOW = -5.0e3
+
+REASON_PATTERN = "attention mask pattern other than causal + per-sequence key range"
 
 
 def visible_keys(
@@ -35,3 +46,100 @@ def visible_keys(
     if kv_end is not None:
         mask &= (cols[None, :] < kv_end.to(device).view(-1, 1)).view(batch, 1, 1, nk)
     return mask
+
+
+@dataclass(frozen=True)
+class MaskPattern:
+    """What the kernels need to reproduce a mask: keys [0, kv_len), ``causal``, per-sequence ranges."""
+
+    causal: bool
+    kv_len: int
+    kv_start: torch.Tensor | None = None
+    kv_end: torch.Tensor | None = None
+
+    def for_batch(self, batch: int) -> "MaskPattern":
+        """The pattern of a batch-1 mask broadcast over ``batch`` sequences."""
+        def grow(t):
+            return t if t is None or t.shape[0] == batch else t.expand(batch).contiguous()
+
+        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end))
+
+    def keys(self, key: torch.Tensor, value: torch.Tensor, token_dim: int = 2):
+        """key and value cut to the first ``kv_len`` tokens (views)."""
+        if key.shape[token_dim] == self.kv_len:
+            return key, value
+        return key.narrow(token_dim, 0, self.kv_len), value.narrow(token_dim, 0, self.kv_len)
+
+    def qattn_options(self) -> dict:
+        return dict(is_causal=self.causal, kv_start=self.kv_start, kv_end=self.kv_end)
+
+
+def analyse_mask(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int) -> MaskPattern | str:
+    """Express an attention mask as causal ∧ key range (a :class:`MaskPattern`), or say why it is not one.
+
+    ``mask`` broadcasts to (batch, heads, Nq, Nk): bool keeps True; floating point is additive, keeps 0
+    and hides values ≤ ``HIDDEN_BELOW``. The pattern is checked against :func:`visible_keys` element
+    for element, so it is only ever returned when it reproduces the mask exactly. Its ranges have one
+    row per mask row (1 or ``batch``): :meth:`MaskPattern.for_batch` widens them.
+    """
+    try:
+        full_shape = torch.broadcast_shapes(tuple(mask.shape), (batch, heads, nq, nk))
+    except RuntimeError:
+        full_shape = None
+    if mask.dim() > 4 or full_shape != (batch, heads, nq, nk):
+        return f"attention mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Nq, Nk)"
+    if mask.dtype == torch.bool:
+        visible = mask
+    elif mask.is_floating_point():
+        visible = mask == 0
+        if not bool((visible | (mask <= HIDDEN_BELOW)).all()):
+            return "attention mask adds a bias (values other than 0 and -inf)"
+    else:
+        return f"attention mask of dtype {mask.dtype}"
+    visible = visible.reshape((1,) * (4 - visible.dim()) + tuple(visible.shape))
+    if visible.shape[1] != 1:
+        if not torch.equal(visible, visible[:, :1].expand_as(visible)):
+            return "attention mask differs between heads"
+    grid = visible[:, 0].expand(visible.shape[0], nq, nk)  # (1 or B, Nq, Nk)
+    rows = grid.shape[0]
+    seen = grid.any(dim=1)  # (rows, Nk): keys some query sees
+    if not bool(seen.any(dim=-1).all()):
+        return "attention mask hides every key of a sequence"
+    cols = torch.arange(nk, device=mask.device)
+    kv_start = torch.where(seen, cols, nk).amin(dim=-1)
+    kv_end = torch.where(seen, cols + 1, 0).amax(dim=-1)
+    max_end = int(kv_end.max())
+    # Causal: the diagonal sits where the last key of a row minus its index peaks (a row cut by
+    # kv_end only lowers it), so the key length that aligns it bottom-right is nq + that offset.
+    last = torch.where(grid, cols, -1).amax(dim=-1)
+    offset = (last - torch.arange(nq, device=mask.device)).masked_fill(last < 0, -nk - nq).max()
+    candidates = [(False, max_end), (True, nq + int(offset))]
+    for causal, kv_len in candidates:  # non-causal first: with one query row both read the same
+        if not max_end <= kv_len <= nk or (causal and nq > kv_len):
+            continue
+        start = None if bool((kv_start == 0).all()) else kv_start.to(torch.int32)
+        end = None if bool((kv_end == kv_len).all()) else kv_end.to(torch.int32)
+        candidate = visible_keys(rows, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
+                                 device=mask.device)[:, 0]
+        if torch.equal(candidate, grid[..., :kv_len]) and not grid[..., kv_len:].any():
+            return MaskPattern(causal, kv_len, start, end)
+    return REASON_PATTERN
+
+
+def cached_analysis(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int) -> MaskPattern | str:
+    """:func:`analyse_mask`, remembered on the mask tensor: a model passes the same mask to every layer,
+    and the analysis costs device synchronisations. The answer is reused for the same shapes at the
+    same version counter (an in-place change is seen); inference-mode tensors keep no version counter
+    and are analysed afresh at every call."""
+    if mask.is_inference():
+        return analyse_mask(mask, batch, heads, nq, nk)
+    key = (mask._version, batch, heads, nq, nk)
+    cached = getattr(mask, "_qattn_pattern", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    found = analyse_mask(mask, batch, heads, nq, nk)
+    try:
+        mask._qattn_pattern = (key, found)
+    except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes: analyse again next time
+        pass
+    return found

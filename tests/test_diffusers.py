@@ -12,9 +12,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import hf_qattn
+from hf_qattn import masks
 from hf_qattn.integrations import diffusers as integration
 from hf_qattn.integrations.diffusers import sdpa as diffusers_sdpa
-from hf_qattn.integrations.diffusers.sdpa import KeyRange, key_padding_range
 from hf_qattn.integrations.diffusers.steps import _HookedMethod
 from hf_qattn.plan import PlanError, QAttnPlan
 
@@ -387,10 +387,9 @@ def test_key_padding_masks_use_kv_range_and_other_masks_fall_back(seed, stats):
             with hf_qattn.patch(model, plan="int8"):
                 out = model(**inputs)[0]
     counts = stats()
-    # the token refiner's self-attention mask depends on the query row: not a key-padding mask
+    # the token refiner's self-attention mask hides padded queries' rows too: not causal ∧ key range
     refiner_calls = len(attention_modules(model.context_embedder))
-    assert counts["fallbacks"] == {"attention mask differs between heads or queries (not a key-padding mask)":
-                                   refiner_calls}
+    assert counts["fallbacks"] == {masks.REASON_PATTERN: refiner_calls}
     assert sum("falling back" in str(w.message) for w in caught) == 1  # warned once per reason
     # the joint blocks' masks hide padded text keys: served by the kernel with kv_end per sequence
     assert counts["calls"] == {"sdpa": refiner_calls,
@@ -433,36 +432,9 @@ def test_key_padding_mask_is_what_reaches_the_kernel(seed, monkeypatch):
     with torch.no_grad(), hf_qattn.patch(model, plan="int8"):
         model(**inputs)
     latent = 64
-    assert ranges and all(torch.equal(start, torch.tensor([0, 0], dtype=torch.int32)) and
+    assert ranges and all(start is None and  # no left padding: no start range
                           torch.equal(end, torch.tensor([latent + 8, latent + 5], dtype=torch.int32))
                           for start, end in ranges)
-
-
-@pytest.mark.parametrize("make_mask,expected", [
-    (lambda: torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.bool).view(2, 1, 1, 5),
-     ([0, 1], [3, 5])),
-    (lambda: torch.tensor([[0.0, 0.0, -float("inf"), -float("inf"), -float("inf")],
-                           [0.0] * 5]).view(2, 1, 1, 5), ([0, 0], [2, 5])),
-    (lambda: (1 - torch.tensor([[1, 1, 1, 1, 0]] * 2, dtype=torch.float32)).mul(-10000.0)[:, None, :]
-     .to(torch.bfloat16), ([0, 0], [4, 4])),  # LTX-style additive -1e4 mask (B, 1, Nk), in bf16
-    (lambda: torch.ones(2, 2, 3, 5, dtype=torch.bool), None),
-    (lambda: torch.tensor([1, 0, 1, 1, 1], dtype=torch.bool), "not one contiguous range"),
-    (lambda: torch.ones(3, 5, dtype=torch.bool).tril(), "differs between heads or queries"),
-    (lambda: torch.stack([torch.ones(5, dtype=torch.bool), torch.arange(5) < 3]).view(1, 2, 1, 5),
-     "differs between heads or queries"),
-    (lambda: torch.zeros(2, 1, 1, 5, dtype=torch.bool), "hides every key"),
-    (lambda: torch.randn(2, 1, 1, 5), "adds a bias"),
-    (lambda: torch.ones(2, 1, 1, 4, dtype=torch.bool), "does not broadcast"),
-])
-def test_key_padding_range_recognition(make_mask, expected):
-    found = key_padding_range(make_mask(), batch=2, heads=2, nq=3, nk=5)
-    if expected is None:
-        assert found == KeyRange()
-    elif isinstance(expected, str):
-        assert isinstance(found, str) and expected in found
-    else:
-        assert isinstance(found, KeyRange)
-        assert found.start.tolist() == expected[0] and found.end.tolist() == expected[1]
 
 
 def test_processor_without_sdpa_is_counted_not_silently_skipped(seed, stats):
@@ -544,13 +516,13 @@ def test_run_qattn_matches_sdpa_with_scale_gqa_and_padding(nhd_memory, seed):
     options = dict(attn_mask=mask, scale=0.3, enable_gqa=True)
     ref = SDPA(q, k, v, **options)
     named = diffusers_sdpa.sdpa_arguments((q, k, v), options)
-    gap, keys = diffusers_sdpa.kernel_gap(named)
-    assert gap is None and keys.end.tolist() == [24, 20]
-    out = diffusers_sdpa.run_qattn(named, "int8", keys)
+    gap, pattern = diffusers_sdpa.kernel_gap(named)
+    assert gap is None and pattern.kv_end.tolist() == [24, 20] and pattern.kv_len == 24
+    out = diffusers_sdpa.run_qattn(named, "int8", pattern)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     # int8 measured ≈ 0.03 on these Gaussian inputs; the default scale instead of 0.3 gives ≈ 0.4
     assert rel_err(out, ref) < 0.06
-    assert rel_err(diffusers_sdpa.run_qattn({**named, "scale": None}, "int8", keys), ref) > 0.2
+    assert rel_err(diffusers_sdpa.run_qattn({**named, "scale": None}, "int8", pattern), ref) > 0.2
 
 
 # -- bad input -------------------------------------------------------------------------------------

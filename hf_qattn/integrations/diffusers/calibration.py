@@ -62,13 +62,13 @@ class _ScoreRecorder:
         self._prompt: dict[tuple[str, int, int], ScoreSums] = defaultdict(ScoreSums)
         self._per_prompt: dict[tuple[str, int, int], ScoreSums] = defaultdict(ScoreSums)
 
-    def record(self, denoiser: str, step: int, layer: int, named: dict, keys, gap: str | None) -> None:
+    def record(self, denoiser: str, step: int, layer: int, named: dict, pattern, gap: str | None) -> None:
         if gap is not None:
             self.skipped[gap] += 1
             return
-        result = attention_accuracy(named["query"], named["key"], named["value"], qk=CALIBRATION_QK,
-                                    is_causal=bool(named["is_causal"]), sm_scale=named["scale"], layout="HND",
-                                    kv_start=keys.start, kv_end=keys.end)
+        key, value = pattern.keys(named["key"], named["value"])
+        result = attention_accuracy(named["query"], key, value, qk=CALIBRATION_QK, sm_scale=named["scale"],
+                                    layout="HND", **pattern.qattn_options())
         if not math.isfinite(result.score):
             self.skipped["non-finite score"] += 1
             return

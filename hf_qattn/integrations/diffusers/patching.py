@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import ops, stats, support
 from ...plan import DEFAULT_PRECISION, LEGACY_SPELLINGS, PLAN_CONFIG_KEY, PRECISIONS, UNQUANTIZED, PlanError, QAttnPlan
-from .sdpa import SDPA, MaskCache, kernel_gap, run_qattn, sdpa_arguments
+from .sdpa import SDPA, kernel_gap, run_qattn, sdpa_arguments
 from .steps import DenoisingStepTracker, SchedulerHooks
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "unet_2")
@@ -235,7 +235,6 @@ class _PatchedDenoiser:
         self._model = weakref.ref(model)  # weak: the patch registry must not keep models alive
         self.plan = plan
         self.layer_names = [layer_name for layer_name, _ in layers]
-        self.mask_cache = MaskCache()
         self._active = threading.local()
         self._saved_backends: dict[int, tuple[object, bool, object]] = {}
         self._timestep_position = _timestep_position(model)
@@ -313,12 +312,12 @@ class _PatchedDenoiser:
     # -- one SDPA call ----------------------------------------------------------------------------
     def attend(self, layer: int, sdpa, args: tuple, kwargs: dict):
         named = sdpa_arguments(args, kwargs)
-        gap, keys = kernel_gap(named, self.mask_cache)
+        gap, pattern = kernel_gap(named)
         tracker = self.owner.tracker
         recorder = self.owner.recorder
         if recorder is not None:  # calibration: the run stays full precision, the kernel is scored aside
             out = sdpa(*args, **kwargs)
-            recorder.record(self.name, tracker.step, layer, named, keys, gap)
+            recorder.record(self.name, tracker.step, layer, named, pattern, gap)
             return out
         if gap is not None:
             ops.record(support.SDPA, gap)
@@ -329,7 +328,7 @@ class _PatchedDenoiser:
         if precision == UNQUANTIZED:
             ops.record(support.UNQUANTIZED_BY_PLAN)
             return sdpa(*args, **kwargs)
-        return run_qattn(named, precision, keys)
+        return run_qattn(named, precision, pattern)
 
 
 # -- the patch ----------------------------------------------------------------------------------

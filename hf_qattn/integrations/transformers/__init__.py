@@ -9,6 +9,6 @@
 from ...plan import DEFAULT_PRECISION  # noqa: F401
 from . import attention, calibration, registration  # noqa: F401
 from .attention import *  # noqa: F401,F403
-from .attention import _cached_analysis, _num_layers  # noqa: F401
+from .attention import _num_layers  # noqa: F401
 from .calibration import CalibrationResult, calibrate  # noqa: F401
 from .registration import _looks_like_attention, install, on_model_init, register  # noqa: F401

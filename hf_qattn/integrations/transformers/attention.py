@@ -7,10 +7,10 @@ Per call, :func:`qattn_attention_forward`
    no plan every layer runs ``"int8"`` (:data:`hf_qattn.plan.DEFAULT_PRECISION`): the safe choice, as
    accurate as the method gets. A plan precision ``"unquantized"`` runs the model's full-precision
    attention, counted as call path ``"unquantized-by-plan"`` (a choice, not a fallback).
-2. turns the mask into what the kernel understands — causal (aligned bottom-right) and a
-   per-sequence key range [kv_start, kv_end) — by analysing each mask tensor once (the result is
-   cached on the tensor for the other layers) and checking that the reconstruction equals the mask
-   exactly. Keys that no query sees (the empty tail of a static cache) are sliced off first.
+2. turns the mask (boolean or additive) into what the kernel understands — causal (aligned
+   bottom-right) and a per-sequence key range [kv_start, kv_end) — with the analysis both
+   integrations share (:func:`hf_qattn.masks.cached_analysis`: once per mask tensor, exact or
+   refused). Keys that no query sees (the empty tail of a static cache) are sliced off first.
 3. calls :func:`hf_qattn.qattn` in HND layout, with fewer K/V heads for GQA (no repeat).
 
 Anything the kernel cannot serve runs in full precision instead, counted under its reason and
@@ -27,12 +27,11 @@ import contextlib
 import contextvars
 import sys
 import threading
-from dataclasses import dataclass
 
 import torch
 
-from ... import api, cache_hook, ops, stats, support
-from ...masks import visible_keys
+from ... import api, cache_hook, masks, ops, stats, support
+from ...masks import MaskPattern, visible_keys
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
 from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
                        REASON_HEAD_DIM, REASON_HEADS, REASON_VALUE_DIM)
@@ -45,10 +44,9 @@ REASON_SPARSE = "sparse attention indices"
 REASON_OUTPUT_ATTENTIONS = "output_attentions=True (attention weights requested)"
 REASON_POSITION_BIAS = "additive position bias (position_bias)"
 REASON_PAGED_CACHE = "paged KV cache (continuous batching)"
-REASON_FLOAT_MASK = "float (additive) attention mask"
 REASON_MASK_SHAPE = "attention mask of unexpected shape or type"
 REASON_SLIDING_WINDOW = "sliding window attention (window smaller than the sequence)"
-REASON_MASK_PATTERN = "attention mask pattern other than causal + per-sequence key range"
+REASON_MASK_PATTERN = masks.REASON_PATTERN
 REASON_CAUSAL_SHAPE = "causal attention with more queries than keys"
 
 # Keyword arguments whose math SDPA (and the kernel) cannot express: the model's eager path serves them.
@@ -129,75 +127,6 @@ def layer_precision(module) -> str:
 # masks
 
 
-@dataclass(frozen=True)
-class MaskPattern:
-    """What the kernel needs to reproduce a mask: keys [0, kv_len) with ``causal`` and per-sequence ranges."""
-
-    causal: bool
-    kv_len: int
-    kv_start: torch.Tensor | None = None
-    kv_end: torch.Tensor | None = None
-
-    def for_batch(self, batch: int) -> "MaskPattern":
-        """The pattern of a batch-1 mask broadcast over ``batch`` sequences."""
-        def grow(t):
-            return t if t is None or t.shape[0] == batch else t.expand(batch).contiguous()
-
-        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end))
-
-
-def analyse_mask(mask: torch.Tensor) -> MaskPattern | None:
-    """Express a 4D boolean mask (B, 1 or H, Nq, Nk) as causal ∧ key range, or None when it is not one.
-
-    The result is checked against :func:`hf_qattn.masks.visible_keys` element for element, so a
-    pattern is only ever returned when it reproduces the mask exactly.
-    """
-    if mask.dtype != torch.bool or mask.dim() != 4:
-        return None
-    if mask.shape[1] != 1:
-        if not torch.equal(mask, mask[:, :1].expand_as(mask)):
-            return None
-        mask = mask[:, :1]
-    batch, _, nq, nk = mask.shape
-    grid = mask[:, 0]
-    seen = grid.any(dim=1)  # (B, Nk): keys some query sees
-    cols = torch.arange(nk, device=mask.device)
-    kv_start = torch.where(seen, cols, nk).amin(dim=-1)
-    kv_end = torch.where(seen, cols + 1, 0).amax(dim=-1)
-    kv_start = torch.where(kv_end > 0, kv_start, 0)
-    max_end = int(kv_end.max()) if batch else 0
-    if max_end == 0:
-        return None  # nothing visible at all: leave such a call to SDPA
-    # Causal: the diagonal sits where the last key of a row minus its index peaks (a row cut by
-    # kv_end only lowers it), so the key length that aligns it bottom-right is nq + that offset.
-    last = torch.where(grid, cols, -1).amax(dim=-1)
-    offset = (last - torch.arange(nq, device=mask.device)).masked_fill(last < 0, -nk - nq).max()
-    candidates = [(False, max_end), (True, nq + int(offset))]
-    for causal, kv_len in candidates:  # non-causal first: with one query row both read the same
-        if not max_end <= kv_len <= nk or (causal and nq > kv_len):
-            continue
-        start = None if bool((kv_start == 0).all()) else kv_start
-        end = None if bool((kv_end == kv_len).all()) else kv_end
-        candidate = visible_keys(batch, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
-                                 device=mask.device)
-        if torch.equal(candidate, mask[..., :kv_len]) and not mask[..., kv_len:].any():
-            return MaskPattern(causal, kv_len, start, end)
-    return None
-
-
-def _cached_analysis(mask: torch.Tensor) -> MaskPattern | None:
-    # Every layer of a forward gets the same mask tensor: analyse it once and keep the answer on it.
-    cached = getattr(mask, "_qattn_pattern", None)
-    if cached is not None and cached[0] == mask._version:
-        return cached[1]
-    pattern = analyse_mask(mask)
-    try:
-        mask._qattn_pattern = (mask._version, pattern)
-    except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes: analyse again next time
-        pass
-    return pattern
-
-
 def resolve_pattern(module, query, key, attention_mask, is_causal, kwargs) -> tuple[MaskPattern | None, str | None]:
     """(pattern, None) when the kernel reproduces the call's masking exactly, else (None, reason)."""
     batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
@@ -209,18 +138,13 @@ def resolve_pattern(module, query, key, attention_mask, is_causal, kwargs) -> tu
         if causal and nq > nk:
             return None, REASON_CAUSAL_SHAPE
         return MaskPattern(causal, nq if causal else nk), None
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+    if not isinstance(attention_mask, torch.Tensor):
         return None, REASON_MASK_SHAPE
-    if attention_mask.dtype != torch.bool:
-        return None, REASON_FLOAT_MASK
-    mb, _, mq, mk = attention_mask.shape
-    if mq != nq or mk != nk or mb not in (1, batch):
-        return None, REASON_MASK_SHAPE
-    pattern = _cached_analysis(attention_mask)
-    if pattern is None:
+    found = masks.cached_analysis(attention_mask, batch, query.shape[1], nq, nk)
+    if isinstance(found, str):
         window = kwargs.get("sliding_window")
-        return None, (REASON_SLIDING_WINDOW if window is not None else REASON_MASK_PATTERN)
-    return pattern.for_batch(batch), None
+        return None, (REASON_SLIDING_WINDOW if window is not None and found == REASON_MASK_PATTERN else found)
+    return found.for_batch(batch), None
 
 
 def _unsupported(query, key, value, dropout, kwargs) -> str | None:
@@ -368,10 +292,8 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling):
     """qattn on (B, H, N, D) tensors under a mask pattern: keys [0, kv_len), causal, per-sequence range."""
-    if pattern.kv_len != key.shape[2]:
-        key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
-    return api.qattn(query, key, value, layout="HND", qk=precision, is_causal=pattern.causal, sm_scale=scaling,
-                     kv_start=pattern.kv_start, kv_end=pattern.kv_end)
+    key, value = pattern.keys(key, value)
+    return api.qattn(query, key, value, layout="HND", qk=precision, sm_scale=scaling, **pattern.qattn_options())
 
 
 # ------------------------------------------------------------------------------------------------
