@@ -24,7 +24,7 @@ from hf_qattn.quant import INT_MAX, P_SCALE
 
 from . import tuning
 from .attention import attention_kernel
-from .quantize import centers_kernel, quantize_kv_kernel, v_absmax_kernel
+from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel, v_absmax_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -63,8 +63,9 @@ class QuantizedKV:
 
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
-                permute_v: bool = False, num_warps: int | None = None) -> QuantizedKV:
-    """Centers, then one pass over K and V (plus, for per-channel V scales, one read of V before it)."""
+                permute_v: bool = False, num_warps: int | None = None, fuse_ds: bool = True) -> QuantizedKV:
+    """Centers, then one pass over K and V (plus, for per-channel V scales, one read of V before it).
+    ΔS is written by the K/V pass (``fuse_ds``) or by :func:`delta_scores` after it (same values)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
@@ -90,9 +91,25 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
         hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
         K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
-        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), num_warps=num_warps,
+        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), FUSE_DS=fuse_ds, num_warps=num_warps,
     )
+    if not fuse_ds:
+        delta_scores(k, k_bar, q_bar, ds, hq=hq, sm_scale=sm_scale, kv_start=kv_start, kv_end=kv_end,
+                     block_n=block_n, num_warps=num_warps)
     return QuantizedKV(kq, ks, vq, vs, ds, q_bar, k_bar, v_bar, nk_pad, tiles)
+
+
+def delta_scores(k, k_bar, q_bar, ds, *, hq: int, sm_scale: float, kv_start, kv_end, block_n: int,
+                 num_warps: int = 4) -> torch.Tensor:
+    """ΔS = q̄·(K − k̄)ᵀ·sm_scale·log2 e into ``ds`` (B·Hq, NK_PAD), −inf outside the key ranges."""
+    b, hk, nk, d = k.shape
+    nk_pad = ds.shape[1]
+    delta_scores_kernel[(math.ceil(nk / block_n), b * hk)](
+        k, k_bar, q_bar, kv_start, kv_end, ds, *k.stride(), hk, hq // hk, nk, nk_pad, sm_scale * LOG2E,
+        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_N=block_n,
+        HAS_KV_RANGE=kv_start is not None or kv_end is not None, num_warps=num_warps,
+    )
+    return ds
 
 
 def _key_range(kv_start, kv_end, b: int, nk: int, device):

@@ -15,7 +15,9 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
                                         max |V − v̄| per channel over all keys (``v_absmax_kernel``,
                                         read here, not written), from which δV = max / 448
     ds   fp32  (B·Hq, NK_PAD)           ΔS·sm_scale·log2 e for each query head of the group, −inf
-                                        for keys outside [kv_start, kv_end) and padding keys
+                                        for keys outside [kv_start, kv_end) and padding keys — with
+                                        FUSE_DS; else ``delta_scores_kernel`` writes it, a step of its
+                                        own (ΔS depends on Q, K̂ and V̂ do not)
 
 Padding rows and columns of kq / vq are written as zeros. With PERMUTE_V, V̂ᵀ's columns follow
 the Hopper kernel's key order (``_v_token``). A K group holding NaN/±Inf gets a NaN scale, so
@@ -113,6 +115,47 @@ def _v_token(columns, PERMUTE_V: tl.constexpr):
 
 
 @triton.jit
+def _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
+                       HEAD_DIM: tl.constexpr, HAS_KV_RANGE: tl.constexpr):
+    """ΔS = q̄·(K − k̄)ᵀ·score_coef for each query head reading this kv head, from the unquantized,
+    centered K tile ``k``; −inf for keys outside the sequence's [kv_start, kv_end) and for padding,
+    so they weigh nothing in softmax."""
+    visible = rows < NK
+    if HAS_KV_RANGE:
+        visible = visible & (rows >= tl.load(KV_START + b)) & (rows < tl.load(KV_END + b))
+    for g in range(GROUPS):
+        bhq = b * HK * GROUPS + hk * GROUPS + g
+        q_bar = tl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+        ds = tl.sum(k * q_bar[None, :], axis=1) * score_coef
+        tl.store(DS + bhq * NK_PAD + rows, tl.where(visible, ds, float("-inf")))
+
+
+@triton.jit
+def delta_scores_kernel(
+    K, K_BAR, Q_BAR, KV_START, KV_END, DS,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    HK, GROUPS, NK, NK_PAD, score_coef,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+):
+    """ΔS as a step of its own (one program per key tile and b·kv-head): for K/V passes that do not
+    know Q — a quantized KV cache quantizes each token once, while q̄ changes with every call."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    score_coef = tl.cast(score_coef, tl.float32)
+    b = (bh // HK).to(tl.int64)
+    hk = bh % HK
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D_PAD)
+    inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
+                mask=inside, other=0.0).to(tl.float32)
+    k_bar = tl.load(K_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    k = tl.where(inside, k - k_bar[None, :], 0.0)
+    _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
+                       HEAD_DIM, HAS_KV_RANGE)
+
+
+@triton.jit
 def quantize_kv_kernel(
     K, V, K_BAR, V_BAR, Q_BAR, KV_START, KV_END,
     KQ, KS, VQ, VS, DS,
@@ -121,7 +164,7 @@ def quantize_kv_kernel(
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, V_CHANNEL_SCALE: tl.constexpr,
-    PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr,
+    PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, FUSE_DS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -147,16 +190,9 @@ def quantize_kv_kernel(
         kq = quantize_symmetric(k, k_scale, QK_MAX)
     tl.store(KQ + (bh.to(tl.int64) * NK_PAD + rows[:, None]) * D_PAD + cols[None, :], kq)
 
-    # --- ΔS = q̄·(K − k̄)ᵀ for each query head reading this kv head, from the unquantized K; −inf for
-    # keys outside the sequence's [kv_start, kv_end) and for padding, so they weigh nothing in softmax.
-    visible = rows < NK
-    if HAS_KV_RANGE:
-        visible = visible & (rows >= tl.load(KV_START + b)) & (rows < tl.load(KV_END + b))
-    for g in range(GROUPS):
-        bhq = b * HK * GROUPS + hk * GROUPS + g
-        q_bar = tl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-        ds = tl.sum(k * q_bar[None, :], axis=1) * score_coef
-        tl.store(DS + bhq * NK_PAD + rows, tl.where(visible, ds, float("-inf")))
+    if FUSE_DS:  # ΔS from this tile while K is in registers (saves delta_scores_kernel's read of K)
+        _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
+                           HEAD_DIM, HAS_KV_RANGE)
 
     # --- V: subtract v̄, scale per channel over this tile, FP8 E4M3 (or FP16 where no FP8 MMA).
     v_rows = _v_token(rows, PERMUTE_V)  # a permutation inside each 32-row group: same tile, other order

@@ -104,6 +104,29 @@ def test_kv_pass_writes_minus_inf_delta_s_outside_key_ranges_and_padding():
         assert torch.isfinite(ds[batch][:, ~outside]).all()
 
 
+def test_delta_s_as_its_own_step_equals_the_fused_one():
+    """ΔS written by delta_scores after a K/V pass that does not know Q is the fused pass's ΔS, bit for
+    bit (GQA, key ranges, padding), and K̂ / V̂ do not depend on which wrote it."""
+    b, hq, hk, n, d = 2, 4, 2, 300, 64
+    q, k = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d) + torch.randn(1, hk, 1, d)
+    v = torch.randn(b, hk, n, d)
+    start, end = torch.tensor([0, 37], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
+    options = dict(sm_scale=0.3, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True, smooth_v=True,
+                   kv_start=start, kv_end=end, block_n=128, k_token_scale=False, v_channel_scale=True,
+                   permute_v=True)
+    fused = launch.quantize_kv(q, k, v, **options)
+    apart = launch.quantize_kv(q, k, v, fuse_ds=False, **options)
+    assert torch.equal(fused.ds, apart.ds) and torch.isfinite(fused.ds).any()
+    assert torch.equal(fused.kq, apart.kq) and torch.equal(fused.vq.view(torch.uint8), apart.vq.view(torch.uint8))
+    # and the value is q̄·(K − k̄)ᵀ·sm_scale·log2 e, per query head of the group
+    k_centered = k - fused.k_bar.view(b, hk, 1, d)
+    want = torch.einsum("bgd,bgnd->bgn", fused.q_bar.view(b, hk, hq // hk, d).flatten(1, 2),
+                        k_centered.repeat_interleave(hq // hk, dim=1)) * 0.3 * launch.LOG2E
+    got = fused.ds.view(b, hq, -1)[..., :n]
+    inside = (torch.arange(n) >= start.view(-1, 1, 1)) & (torch.arange(n) < end.view(-1, 1, 1))
+    torch.testing.assert_close(got[inside.expand_as(got)], want[inside.expand_as(want)], rtol=1e-5, atol=1e-5)
+
+
 def test_kv_pass_gives_a_non_finite_key_tile_a_nan_scale():
     b, h, n, d = 1, 1, 300, 64
     q, k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d), torch.randn(b, h, n, d)
