@@ -115,6 +115,17 @@ def _v_token(columns, PERMUTE_V: tl.constexpr):
 
 
 @triton.jit
+def _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK,
+                     HEAD_DIM: tl.constexpr):
+    """K − k̄ for the tile of keys ``rows`` (fp32; zeros outside the tensor)."""
+    inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
+                mask=inside, other=0.0).to(tl.float32)
+    k_bar = tl.load(K_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    return tl.where(inside, k - k_bar[None, :], 0.0)
+
+
+@triton.jit
 def _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
                        HEAD_DIM: tl.constexpr, HAS_KV_RANGE: tl.constexpr):
     """ΔS = q̄·(K − k̄)ᵀ·score_coef for each query head reading this kv head, from the unquantized,
@@ -146,11 +157,7 @@ def delta_scores_kernel(
     hk = bh % HK
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, D_PAD)
-    inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
-                mask=inside, other=0.0).to(tl.float32)
-    k_bar = tl.load(K_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-    k = tl.where(inside, k - k_bar[None, :], 0.0)
+    k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
     _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
                        HEAD_DIM, HAS_KV_RANGE)
 
@@ -173,13 +180,9 @@ def quantize_kv_kernel(
     hk = bh % HK
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, D_PAD)
-    inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
 
     # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
-    k = tl.load(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
-                mask=inside, other=0.0).to(tl.float32)
-    k_bar = tl.load(K_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-    k = tl.where(inside, k - k_bar[None, :], 0.0)
+    k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
     if K_TOKEN_SCALE:
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / QK_MAX
         tl.store(KS + bh * NK_PAD + rows, _nan_unless_finite(k_scale, tl.sum(k, axis=1)))
