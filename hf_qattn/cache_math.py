@@ -16,7 +16,7 @@ import math
 import torch
 
 from .masks import visible_keys
-from .quant import SCALE_FLOOR
+from .quant import SCALE_FLOOR, reciprocal
 
 INT_MAX = {"int8": 127.0, "int4": 7.0}
 FP8_MAX = 448.0
@@ -54,12 +54,12 @@ def quantize_tokens(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar
     qmax = INT_MAX[precision]
     kc = k.float() - k_bar[:, :, None, :]
     ks = kc.abs().amax(-1).clamp_min(SCALE_FLOOR) / qmax
-    kq = torch.round(kc / ks[..., None]).clamp_(-qmax, qmax).to(torch.int8)
+    kq = torch.round(kc * reciprocal(ks)[..., None]).clamp_(-qmax, qmax).to(torch.int8)
     if precision == "int4":
         kq = pack_int4(kq)
     vc = v.float() - v_bar[:, :, None, :]
     vs = vc.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX
-    vq = (vc / vs[..., None]).to(torch.float8_e4m3fn)
+    vq = (vc * reciprocal(vs)[..., None]).to(torch.float8_e4m3fn)
     return kq, ks, vq, vs
 
 

@@ -3,8 +3,8 @@
 Shared by the reference attention, the kernel launchers (which must use the very same smoothing
 centers) and the calibration code. Layout: tensors are (batch, heads, tokens, dim) here.
 
-Rounding is round-to-nearest-even (``torch.round``) followed by clamping to the integer range,
-which is what the kernels do (``rint`` then clamp). A group whose values are all zero gets the
+Values are scaled as x · (1 / scale) (:func:`reciprocal`), then rounded to nearest even
+(``torch.round``) and clamped to the integer range — exactly what the kernels do. A group whose values are all zero gets the
 tiny scale ``SCALE_FLOOR`` so that quantizing it yields zeros, never NaN.
 """
 
@@ -44,6 +44,12 @@ def smoothing_center(x: torch.Tensor, sample: int | None = None) -> torch.Tensor
     return x.mean(dim=-2, dtype=torch.float32)
 
 
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale in float32, correctly rounded: values are quantized as x · (1 / scale), as the kernels
+    do (one division per scale, not per value), so kernels and references round alike."""
+    return 1.0 / scale.float()
+
+
 def group_rows(granularity: str, block_rows: int, warp_rows: int) -> int | None:
     """Rows sharing one scale: None means the whole tensor."""
     if granularity not in GRANULARITIES:
@@ -73,7 +79,7 @@ def row_scales(x: torch.Tensor, qmax: float, rows: int | None) -> torch.Tensor:
 def quantize_int(x: torch.Tensor, qmax: float, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric integer quantization; returns (integer values held in float32, per-row scale)."""
     scale = row_scales(x, qmax, rows)
-    return torch.round(x / scale[..., None]).clamp_(-qmax, qmax), scale
+    return torch.round(x * reciprocal(scale)[..., None]).clamp_(-qmax, qmax), scale
 
 
 def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +104,7 @@ def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tup
         amax = padded.reshape(b, h, tiles, block_n, d).amax(-2)
     scale = amax.clamp_min(SCALE_FLOOR) / qmax
     per_token = scale.repeat_interleave(block_n, dim=-2)[..., :n, :]
-    scaled = v / per_token
+    scaled = v * reciprocal(per_token)
     if fmt == "int8":
         return torch.round(scaled).clamp_(-qmax, qmax), scale
     return scaled.to(FLOAT_DTYPE[fmt]).float(), scale

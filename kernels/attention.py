@@ -105,9 +105,9 @@ def attention_kernel(
         group_max = tl.max(tl.reshape(row_max, (BLOCK_M // Q_GROUP, Q_GROUP)), axis=1)
         row_max = tl.reshape(tl.broadcast_to(group_max[:, None], (BLOCK_M // Q_GROUP, Q_GROUP)), (BLOCK_M,))
     q_scale = tl.maximum(row_max, SCALE_FLOOR) / QK_MAX
-    q_int = quantize_symmetric(qs, q_scale[:, None], QK_MAX)
+    q_int = quantize_symmetric(qs, q_scale[:, None], QK_MAX, GRID_ROUND)
     score_coef = tl.cast(score_coef, tl.float32)  # torch.compile may hand Python floats over as fp64
-    # max and clamp drop NaN: a row holding NaN/±Inf gets a NaN coefficient (its sum keeps them), so
+    # max drops NaN: a row holding NaN/±Inf gets a NaN coefficient (its sum keeps them), so
     # its output is NaN, as full-precision attention's, never a plausible value
     row_sum = tl.sum(qs, axis=1)
     q_coef = tl.where((row_sum == row_sum) & (tl.abs(row_sum) < float("inf")), q_scale * score_coef, float("nan"))

@@ -27,10 +27,38 @@ def int32_to_float(x):
 
 
 @triton.jit
-def quantize_symmetric(x, scale, QMAX: tl.constexpr):
-    """int8 holding round(x / scale) clamped to ±QMAX; ``scale`` broadcasts against ``x``."""
-    r = round_half_even(tl.math.div_rn(x, scale))
-    return tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
+def reciprocal(scale):
+    """1 / scale, correctly rounded. Every quantizer multiplies by it instead of dividing each value:
+    one IEEE division per scale instead of one per value (a division is a dozen instructions; the
+    references in hf_qattn.quant compute the same reciprocal, so both round alike)."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def mul_rn(x, y, INTERPRETED: tl.constexpr):
+    """x · y rounded to float32 on its own: a compiled kernel would otherwise fuse the product into
+    the rounding add below (one FMA, one rounding), and round differently from the reference at
+    ties. The interpreter (numpy) never fuses."""
+    if INTERPRETED:
+        return x * y
+    else:
+        x, y = tl.broadcast(x, y)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def quantize_symmetric(x, scale, QMAX: tl.constexpr, INTERPRETED: tl.constexpr):
+    """int8 holding round(x · (1 / scale)), for ``scale`` = max |x| of x's group / QMAX (broadcasts against x)."""
+    # no clamp: scale is the group's max |x| / QMAX, so |x · (1 / scale)| rounds to at most QMAX (a
+    # NaN/Inf group gets a NaN scale from the caller, whatever its integers hold)
+    return round_half_even(mul_rn(x, reciprocal(scale), INTERPRETED)).to(tl.int8)
+
+
+@triton.jit
+def scale_to_fp8(x, scale, GRID_ROUND: tl.constexpr):
+    """FP8 E4M3 holding x · (1 / scale); ``scale`` broadcasts against ``x``."""
+    return to_fp8_e4m3(x * reciprocal(scale), GRID_ROUND)
 
 
 @triton.jit

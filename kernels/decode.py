@@ -35,7 +35,7 @@ dim needs no padding); only the last tile of a split is masked.
 import triton
 import triton.language as tl
 
-from .common import SCALE_FLOOR, quantize_symmetric, to_fp8_e4m3
+from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
 
 @triton.jit
@@ -74,8 +74,8 @@ def append_kernel(
                                               other=0.0)[None, :], 0.0)
         amax = tl.maximum(tl.max(tl.abs(k_lo), axis=1), tl.max(tl.abs(k_hi), axis=1))
         k_scale = tl.maximum(amax, SCALE_FLOOR) / 7.0
-        lo = quantize_symmetric(k_lo, k_scale[:, None], 7.0)
-        hi = quantize_symmetric(k_hi, k_scale[:, None], 7.0)
+        lo = quantize_symmetric(k_lo, k_scale[:, None], 7.0, GRID_ROUND)
+        hi = quantize_symmetric(k_hi, k_scale[:, None], 7.0, GRID_ROUND)
         packed = (lo & 15) | (hi << 4)
         tl.store(q_base + c[None, :], packed, mask=row_ok[:, None])
     else:
@@ -84,7 +84,7 @@ def append_kernel(
         k = tl.load(k_base + c[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
         k = tl.where(ok, k - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0
-        tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0), mask=ok)
+        tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0, GRID_ROUND), mask=ok)
     tl.store(KS + s_off, k_scale, mask=row_ok)
 
     # --- V: subtract the fixed center, one scale per token, FP8 E4M3
@@ -94,7 +94,7 @@ def append_kernel(
                 mask=ok, other=0.0).to(tl.float32)
     v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
     v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / 448.0
-    vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[:, None]), GRID_ROUND)
+    vq = scale_to_fp8(v, v_scale[:, None], GRID_ROUND)
     tl.store(VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn + c[None, :], vq, mask=ok)
     tl.store(VS + s_off, v_scale, mask=row_ok)
 

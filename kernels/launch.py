@@ -29,8 +29,9 @@ from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel, v
 LOG2E = 1.4426950408889634
 
 
-def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool):
-    """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off."""
+def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4):
+    """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off. Each program
+    sums ``rows`` sampled tokens a step."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     sample = tuning.center_sample()
@@ -39,8 +40,8 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool):
         q, k, v, centers, *q.stride(), *k.stride(), *v.stride(),
         hq, hk, b * hq, b * hk, nq, nk, math.ceil(nq / sample) if nq > sample else 1,
         math.ceil(nk / sample) if nk > sample else 1,
-        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=64,
-        SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, num_warps=4,
+        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows,
+        SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, num_warps=num_warps,
     )
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
 

@@ -27,7 +27,7 @@ the rows that see it come out NaN, as with full-precision attention.
 import triton
 import triton.language as tl
 
-from .common import SCALE_FLOOR, quantize_symmetric, to_fp8_e4m3
+from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
 
 @triton.jit
@@ -186,17 +186,18 @@ def quantize_kv_kernel(
     if K_TOKEN_SCALE:
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / QK_MAX
         tl.store(KS + bh * NK_PAD + rows, _nan_unless_finite(k_scale, tl.sum(k, axis=1)))
-        kq = quantize_symmetric(k, k_scale[:, None], QK_MAX)
+        kq = quantize_symmetric(k, k_scale[:, None], QK_MAX, GRID_ROUND)
     else:
         k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), SCALE_FLOOR) / QK_MAX
         tl.store(KS + bh * NUM_TILES + tile, _nan_unless_finite(k_scale, tl.sum(tl.sum(k, axis=1), axis=0)))
-        kq = quantize_symmetric(k, k_scale, QK_MAX)
+        kq = quantize_symmetric(k, k_scale, QK_MAX, GRID_ROUND)
     tl.store(KQ + (bh.to(tl.int64) * NK_PAD + rows[:, None]) * D_PAD + cols[None, :], kq)
 
     if FUSE_DS:  # ΔS from this tile while K is in registers (saves delta_scores_kernel's read of K)
         _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
                            HEAD_DIM, HAS_KV_RANGE)
 
+    tl.debug_barrier()  # K's tile is dead here: keep V's loads below it, or both tiles spill registers
     # --- V: subtract v̄, scale per channel over this tile, FP8 E4M3 (or FP16 where no FP8 MMA).
     v_rows = _v_token(rows, PERMUTE_V)  # a permutation inside each 32-row group: same tile, other order
     v_inside = (v_rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
@@ -206,10 +207,10 @@ def quantize_kv_kernel(
     v = tl.where(v_inside, v - v_bar[None, :], 0.0)
     if V_CHANNEL_SCALE:  # per channel over all keys, from v_absmax_kernel (VS holds those maxima)
         v_scale = tl.maximum(tl.load(VS + bh * D_PAD + cols), SCALE_FLOOR) / 448.0
-        vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND)
+        vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     elif V_FP8:
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / 448.0
-        vq = to_fp8_e4m3(tl.math.div_rn(v, v_scale[None, :]), GRID_ROUND)
+        vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     else:
         v_scale = tl.full([D_PAD], 1.0, tl.float32)
         vq = v.to(tl.float16)

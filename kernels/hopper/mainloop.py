@@ -38,7 +38,12 @@ def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_q
     q_bar = gl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     qs = gl.where(inside, q - q_bar[None, :], 0.0)
     q_scale = gl.maximum(gl.max(gl.abs(qs), axis=1), 1e-30) / QK_MAX
-    r = (gl.div_rn(qs, q_scale[:, None]) + _ROUND_MAGIC) - _ROUND_MAGIC
+    q_inv = gl.div_rn(gl.full([BM], 1.0, gl.float32, layout=gl.SliceLayout(1, blocked)), q_scale)  # see common.reciprocal
+    qs_b, q_inv_b = gl.broadcast(qs, q_inv[:, None])
+    # mul.rn: a product of its own, not fused into the rounding add (the reference rounds it first)
+    scaled = gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [qs_b, q_inv_b], dtype=gl.float32,
+                                       is_pure=True, pack=1)
+    r = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
     # shared memory, not registers: 16 registers held all loop long spilled the main loop
     q_smem.store(gl.minimum(gl.maximum(r, -QK_MAX), QK_MAX).to(gl.int8))
     fence_async_shared()

@@ -1,0 +1,192 @@
+"""Where one qattn call's time goes on the GPU, and how much of it is the host's.
+
+    bash eval/device_run.sh python3 eval/profile_call.py --out eval/results/
+
+Per shape (the Hopper path, quantization included), side by side with cuDNN in the same run:
+
+- ``graph_ms``: GPU time a call, from a CUDA graph of 20 calls replayed (no Python, no launch gaps);
+- ``eager_ms``: back-to-back calls timed with events (what a loop of calls sees: the GPU waits
+  whenever the host is slower than it);
+- ``host_us``: the host's time to issue one call, measured while the GPU is held busy by a sleep
+  kernel (so it is pure Python, allocation and launch cost);
+- the GPU time of each kernel of the call (torch.profiler), in µs;
+- the K/V pass's variants (each a graph-timed ``quantize_kv``): as shipped, ΔS as its own step,
+  without the key relabelling of V, per-tile V scales (no V max pass), other warp counts; and a
+  device-to-device copy of K and V for the bandwidth ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from collections import defaultdict
+
+import torch
+import triton
+
+import hf_qattn
+from hf_qattn.kernels import launch, tuning
+
+SDPA = torch.nn.attention.SDPBackend
+
+# (label, batch, heads, N, d, dtype)
+SHAPES = [("B4 H32 N1k d128", 4, 32, 1024, 128, torch.float16), ("B4 H32 N2k d128", 4, 32, 2048, 128, torch.float16),
+          ("B4 H32 N8k d128", 4, 32, 8192, 128, torch.float16), ("B4 H32 N1k d64", 4, 32, 1024, 64, torch.float16),
+          ("Flux-1024-like", 1, 24, 4608, 128, torch.bfloat16)]
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """GPU milliseconds a call: a CUDA graph of ``calls`` calls, median of 7 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def eager_ms(fn, calls: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def host_us(fn, calls: int = 30) -> float:
+    """Microseconds of host time to issue one call, with the GPU held busy (launches only queue)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        torch.cuda._sleep(int(3e8))  # ≈ 0.2 s of GPU cycles: longer than the calls take to issue
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_us(fn, calls: int = 20) -> dict[str, float]:
+    """GPU µs a call of each kernel ``fn`` launches (torch.profiler, summed by kernel name)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us:
+            totals[event.key[:40]] += device_us / calls
+    return dict(totals)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for the markdown file")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    lines = [f"# Where a qattn call's time goes — {name}, {datetime.date.today()}",
+             f"torch {torch.__version__}, triton {triton.__version__}", "",
+             "GPU ms per call from CUDA-graph replay (graph), back-to-back eager calls (eager), host µs to issue "
+             "one call with the GPU busy (host), and per-kernel GPU µs (profiler).", ""]
+    summary = ["| shape | qattn graph ms | qattn eager ms | host µs | cudnn graph ms | cudnn eager ms | "
+               "graph ratio | eager ratio |", "|---|---|---|---|---|---|---|---|"]
+    details = []
+    passes = ["| shape | shipped | ΔS apart | no V relabel | per-tile V scale | w8 | w16 | copy K+V | pass GB/s | "
+              "copy GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    centers = ["| shape | rows 64, 4 warps | rows 128, 4 warps | rows 256, 8 warps |", "|---|---|---|---|"]
+    host = ["| shape | qattn | hopper_attention | quantize_kv | smoothing_centers | hopper kernel launch | "
+            "torch.empty | validate+decide |", "|---|---|---|---|---|---|---|---|"]
+    for label, b, h, n, d, dtype in SHAPES:
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+        call = lambda: hf_qattn.qattn(q, k, v)  # noqa: E731
+        cudnn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+        with torch.nn.attention.sdpa_kernel(SDPA.CUDNN_ATTENTION):
+            c_graph, c_eager = graph_ms(cudnn), eager_ms(cudnn)
+        row = dict(graph=graph_ms(call), eager=eager_ms(call), host=host_us(call), c_graph=c_graph, c_eager=c_eager)
+        summary.append(f"| {label} | {row['graph']:.4f} | {row['eager']:.4f} | {row['host']:.0f} | {c_graph:.4f} | "
+                       f"{c_eager:.4f} | {c_graph / row['graph']:.3f} | {c_eager / row['eager']:.3f} |")
+        kernels = kernel_us(call)
+        details.append(f"- {label}: " + ", ".join(f"{k_} {us:.1f}" for k_, us in sorted(kernels.items(),
+                                                                                    key=lambda kv: -kv[1])))
+        config = tuning.hopper_config(d)
+        base = dict(sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True, smooth_v=True,
+                    kv_start=None, kv_end=None, block_n=config["BLOCK_N"], k_token_scale=False, v_channel_scale=True,
+                    permute_v=True, num_warps=config["KV_PASS_WARPS"])
+        variants = {"shipped": {}, "ΔS apart": dict(fuse_ds=False), "no V relabel": dict(permute_v=False),
+                    "per-tile V scale": dict(v_channel_scale=False), "w8": dict(num_warps=8),
+                    "w16": dict(num_warps=16)}
+        times = {key: graph_ms(lambda o=opts: launch.quantize_kv(q, k, v, **{**base, **o}))
+                 for key, opts in variants.items()}
+        src = torch.cat([k, v])
+        dst = torch.empty_like(src)
+        times["copy"] = graph_ms(lambda: dst.copy_(src))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        pass_gbs = (kv_bytes * 1.5 + kv_bytes / 2) / (times["shipped"] * 1e-3) / 1e9  # V read twice, 1 B/value out
+        copy_gbs = 2 * kv_bytes / (times["copy"] * 1e-3) / 1e9
+        passes.append(f"| {label} | " + " | ".join(f"{times[key]:.4f}" for key in [*variants, "copy"])
+                      + f" | {pass_gbs:.0f} | {copy_gbs:.0f} |")
+        centers.append(f"| {label} | " + " | ".join(
+            f"{graph_ms(lambda r=r, w=w: launch.smoothing_centers(q, k, v, True, True, True, rows=r, num_warps=w)) * 1e3:.1f} µs"
+            for r, w in ((64, 4), (128, 4), (256, 8))) + " |")
+        kv = launch.quantize_kv(q, k, v, **base)
+        out = torch.empty_like(q)
+        pieces = {
+            "qattn": call,
+            "hopper_attention": lambda: launch.hopper_attention(
+                q, k, v, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", smooth_q=True, smooth_k=True,
+                smooth_v=True, kv_start=None, kv_end=None, return_lse=False),
+            "quantize_kv": lambda: launch.quantize_kv(q, k, v, **base),
+            "smoothing_centers": lambda: launch.smoothing_centers(q, k, v, True, True, True),
+            "hopper kernel launch": lambda: launch.hopper_kernel_launch(
+                q, h, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
+                stages=config["STAGES"], pingpong=config["PINGPONG"]),
+            "torch.empty": lambda: torch.empty(b * h * n, d, device="cuda", dtype=torch.int8),
+            "validate+decide": lambda: (hf_qattn.api._validate(q, k, v, "HND", "int8", "fp8", "auto", None, None),
+                                        hf_qattn.api._decide("cuda", 0, d, "auto", "int8", "fp8", None)),
+        }
+        host.append(f"| {label} | " + " | ".join(f"{host_us(fn):.0f}" for fn in pieces.values()) + " |")
+        print(summary[-1], "\n", details[-1], "\n", passes[-1], "\n", centers[-1], "\n", host[-1], flush=True)
+        del q, k, v, src, dst, kv, out
+    lines += ["## One call", "", *summary, "", "## GPU µs a call, by kernel (profiler)", "", *details, "",
+              "## The K/V pass (centers + V max + quantize), GPU ms a call (CUDA graph)", "", *passes, "",
+              "## The centers kernel, GPU time a call (CUDA graph)", "", *centers, "",
+              "## Host µs to issue each piece (GPU held busy)", "", *host, ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        path = os.path.join(args.out, f"profile-{name.replace(' ', '-')}-{datetime.date.today()}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
