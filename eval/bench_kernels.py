@@ -296,6 +296,8 @@ def main():
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--stages-only", action="store_true", help="only the per-stage times of one call")
     parser.add_argument("--hopper-only", action="store_true", help="only the sm90 Gluon kernel's table")
+    parser.add_argument("--skip-hopper-table", action="store_true",
+                        help="leave out the sm90 kernel's two-steps table (eval/profile_call.py splits a call faster)")
     parser.add_argument("--out", default=None, help="markdown file to write (default eval/results/kernels-<gpu>-<date>.md)")
     args = parser.parse_args()
 
@@ -355,7 +357,7 @@ def main():
         log(json.dumps(rules))
         save()
 
-    if not args.skip_speed and torch.cuda.get_device_capability() == (9, 0):
+    if not args.skip_speed and not args.skip_hopper_table and torch.cuda.get_device_capability() == (9, 0):
         log("== sm90 Gluon kernel: K/V pass and kernel apart")
         lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
         hopper = hopper_rows(torch.float16, [64, 128], lengths)
