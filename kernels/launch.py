@@ -24,24 +24,28 @@ from hf_qattn.quant import INT_MAX, P_SCALE
 
 from . import tuning
 from .attention import attention_kernel
-from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel, v_absmax_kernel
+from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel
 
 LOG2E = 1.4426950408889634
 
 
-def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4):
+def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
+                      v_range: torch.Tensor | None = None, block_n: int = 128):
     """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off. Each program
-    sums ``rows`` sampled tokens a step."""
+    sums ``rows`` sampled tokens a step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the
+    same launch also writes V's range per channel there (see ``centers_kernel``)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     sample = tuning.center_sample()
     centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
-    centers_kernel[(b * max(hq, hk), 3)](
-        q, k, v, centers, *q.stride(), *k.stride(), *v.stride(),
+    v_tiles = math.ceil(nk / block_n) if v_range is not None else 0
+    centers_kernel[(b * hq + 2 * b * hk + b * hk * v_tiles,)](
+        q, k, v, centers, v_range, *q.stride(), *k.stride(), *v.stride(),
         hq, hk, b * hq, b * hk, nq, nk, math.ceil(nq / sample) if nq > sample else 1,
-        math.ceil(nk / sample) if nk > sample else 1,
-        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows,
-        SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, num_warps=num_warps,
+        math.ceil(nk / sample) if nk > sample else 1, v_tiles,
+        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows, BLOCK_N=block_n,
+        SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, WITH_V_RANGE=v_range is not None,
+        num_warps=num_warps,
     )
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
 
@@ -65,7 +69,8 @@ class QuantizedKV:
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
                 permute_v: bool = False, num_warps: int | None = None, fuse_ds: bool = True) -> QuantizedKV:
-    """Centers, then one pass over K and V (plus, for per-channel V scales, one read of V before it).
+    """Centers (and, for per-channel V scales, V's range: one read of V in the same launch), then one
+    pass over K and V.
     ΔS is written by the K/V pass (``fuse_ds``) or by :func:`delta_scores` after it (same values)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -73,17 +78,15 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
     d_pad = tuning.padded_head_dim(d)
     tiles = math.ceil(nk / block_n)
     nk_pad = tiles * block_n
-    q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v)
+    # per-channel V scales need V's range over all keys before the pass: the centers launch finds it
+    vs = (torch.full((b * hk, 2, d_pad), float("-inf"), device=device, dtype=torch.float32) if v_channel_scale
+          else torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32))
+    q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v, block_n=block_n,
+                                            v_range=vs if v_channel_scale else None)
     kq = torch.empty(b * hk * nk_pad, d_pad, device=device, dtype=torch.int8)
     ks = torch.empty(b * hk, nk_pad if k_token_scale else tiles, device=device, dtype=torch.float32)
     vq = torch.empty(b * hk * d_pad, nk_pad, device=device, dtype=torch.float8_e4m3fn if v_fp8 else torch.float16)
     ds = torch.empty(b * hq, nk_pad, device=device, dtype=torch.float32)
-    if v_channel_scale:
-        vs = torch.zeros(b * hk, d_pad, device=device, dtype=torch.float32)
-        v_absmax_kernel[(tiles, b * hk)](v, v_bar, vs, *v.stride(), hk, nk, HEAD_DIM=d, D_PAD=d_pad,
-                                         BLOCK_N=block_n, num_warps=num_warps or tuning.quantize_num_warps(block_n, d))
-    else:
-        vs = torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
     has_range = kv_start is not None or kv_end is not None
     num_warps = num_warps or tuning.quantize_num_warps(block_n, d)
     quantize_kv_kernel[(tiles, b * hk)](

@@ -1,7 +1,8 @@
 """Preparing the attention kernel's inputs: smoothing centers, then one pass over K and V.
 
 ``centers_kernel`` — the per-(batch, head) channel means of Q, K and V over an evenly strided
-sample of tokens (see hf_qattn.quant.smoothing_center), one launch for all three tensors.
+sample of tokens (see hf_qattn.quant.smoothing_center), and, for per-channel V scales, V's range
+per channel over all keys: one launch for all of it.
 
 ``quantize_kv_kernel`` — one program per (key tile of BLOCK_N tokens, batch·kv-head). It reads
 the tile of K and V once (any layout, by strides) and writes, into buffers padded to whole tiles
@@ -11,9 +12,9 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
     ks   fp32  (B·Hk, NK_PAD) per token, or (B·Hk, T) per tile     δK
     vq   fp8 / fp16  (B·Hk·D_PAD, NK_PAD)   V − v̄ over its scale, stored transposed: Hopper's
                                           FP8 tensor cores need P·V's B operand K-major
-    vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel); or, with V_CHANNEL_SCALE, (B·Hk, D_PAD)
-                                        max |V − v̄| per channel over all keys (``v_absmax_kernel``,
-                                        read here, not written), from which δV = max / 448
+    vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel); or, with V_CHANNEL_SCALE, (B·Hk, 2, D_PAD)
+                                        V's range per channel over all keys (written by ``centers_kernel``,
+                                        read here), from which δV = max |V − v̄| / 448
     ds   fp32  (B·Hq, NK_PAD)           ΔS·sm_scale·log2 e for each query head of the group, −inf
                                         for keys outside [kv_start, kv_end) and padding keys — with
                                         FUSE_DS; else ``delta_scores_kernel`` writes it, a step of its
@@ -46,54 +47,58 @@ def _sampled_mean(base, stride_n, stride_d, n, step, cols, HEAD_DIM: tl.constexp
 
 @triton.jit
 def centers_kernel(
-    Q, K, V, CENTERS,
+    Q, K, V, CENTERS, V_RANGE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
-    SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
+    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, V_TILES,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, WITH_V_RANGE: tl.constexpr,
 ):
-    """CENTERS rows: [q̄ of each b·Hq | k̄ of each b·Hk | v̄ of each b·Hk]; zeros where smoothing is off."""
-    pid = tl.program_id(0)  # batch·head of the tensor picked by axis 1: 0 = Q, 1 = K, 2 = V
-    which = tl.program_id(1)
+    """CENTERS rows: [q̄ of each b·Hq | k̄ of each b·Hk | v̄ of each b·Hk]; zeros where smoothing is off.
+    With WITH_V_RANGE also V's range per channel over all keys: V_RANGE[b·Hk] = (max V, max −V)
+    (−inf-initialized, one program per key tile). That needs no v̄, so one launch serves both:
+    max |V − v̄| = max(max V − v̄, v̄ + max −V), exactly (float rounding is monotonic)."""
+    pid = tl.program_id(0)  # [0, NUM_Q): q̄ · then k̄ · then v̄ · then (b·Hk, key tile) of V's range
     cols = tl.arange(0, D_PAD)
     col_ok = cols < HEAD_DIM
     mean = tl.zeros([D_PAD], tl.float32)
-    if which == 0:
-        if pid < NUM_Q:
-            if SMOOTH_Q:
-                mean = _sampled_mean(Q + (pid // HQ).to(tl.int64) * stride_qb + (pid % HQ) * stride_qh,
-                                     stride_qn, stride_qd, NQ, STEP_Q, cols, HEAD_DIM, D_PAD, ROWS)
-            tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
-    elif which == 1:
-        if pid < NUM_KV:
-            if SMOOTH_K:
-                mean = _sampled_mean(K + (pid // HK).to(tl.int64) * stride_kb + (pid % HK) * stride_kh,
-                                     stride_kn, stride_kd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
-            tl.store(CENTERS + (NUM_Q + pid) * HEAD_DIM + cols, mean, mask=col_ok)
+    if pid < NUM_Q:
+        if SMOOTH_Q:
+            mean = _sampled_mean(Q + (pid // HQ).to(tl.int64) * stride_qb + (pid % HQ) * stride_qh,
+                                 stride_qn, stride_qd, NQ, STEP_Q, cols, HEAD_DIM, D_PAD, ROWS)
+        tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
+    elif pid < NUM_Q + NUM_KV:
+        bh = pid - NUM_Q
+        if SMOOTH_K:
+            mean = _sampled_mean(K + (bh // HK).to(tl.int64) * stride_kb + (bh % HK) * stride_kh,
+                                 stride_kn, stride_kd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
+        tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
+    elif pid < NUM_Q + 2 * NUM_KV:
+        bh = pid - NUM_Q - NUM_KV
+        if SMOOTH_V:
+            mean = _sampled_mean(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh,
+                                 stride_vn, stride_vd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
+        tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
     else:
-        if pid < NUM_KV:
-            if SMOOTH_V:
-                mean = _sampled_mean(V + (pid // HK).to(tl.int64) * stride_vb + (pid % HK) * stride_vh,
-                                     stride_vn, stride_vd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
-            tl.store(CENTERS + (NUM_Q + NUM_KV + pid) * HEAD_DIM + cols, mean, mask=col_ok)
+        if WITH_V_RANGE:
+            t = pid - NUM_Q - 2 * NUM_KV
+            bh = t // V_TILES
+            rows = (t % V_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+            inside = (rows < NK)[:, None] & col_ok[None, :]
+            v = tl.load(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh + rows[:, None] * stride_vn
+                        + cols[None, :] * stride_vd, mask=inside, other=0.0).to(tl.float32)
+            tl.atomic_max(V_RANGE + bh * 2 * D_PAD + cols, tl.max(tl.where(inside, v, float("-inf")), axis=0),
+                          sem="relaxed")
+            tl.atomic_max(V_RANGE + (bh * 2 + 1) * D_PAD + cols, tl.max(tl.where(inside, -v, float("-inf")), axis=0),
+                          sem="relaxed")
 
 
 @triton.jit
-def v_absmax_kernel(V, V_BAR, V_ABSMAX, stride_vb, stride_vh, stride_vn, stride_vd, HK, NK,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """V_ABSMAX[b·Hk, c] = max over all tokens of |V − v̄| (zero-initialized; one program per key tile)."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, D_PAD)
-    inside = (rows < NK)[:, None] & (cols < HEAD_DIM)[None, :]
-    v = tl.load(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh + rows[:, None] * stride_vn
-                + cols[None, :] * stride_vd, mask=inside, other=0.0).to(tl.float32)
-    v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-    v = tl.where(inside, tl.abs(v - v_bar[None, :]), 0.0)
-    tl.atomic_max(V_ABSMAX + bh * D_PAD + cols, tl.max(v, axis=0), sem="relaxed")
+def v_channel_absmax(V_RANGE, bh, v_bar, cols, D_PAD: tl.constexpr):
+    """max |V − v̄| per channel of kv head ``bh`` from its range (see centers_kernel); −inf on padding channels."""
+    return tl.maximum(tl.load(V_RANGE + bh * 2 * D_PAD + cols) - v_bar,
+                      v_bar + tl.load(V_RANGE + (bh * 2 + 1) * D_PAD + cols))
 
 
 @triton.jit
@@ -205,8 +210,8 @@ def quantize_kv_kernel(
                 mask=v_inside, other=0.0).to(tl.float32)
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(v_inside, v - v_bar[None, :], 0.0)
-    if V_CHANNEL_SCALE:  # per channel over all keys, from v_absmax_kernel (VS holds those maxima)
-        v_scale = tl.maximum(tl.load(VS + bh * D_PAD + cols), SCALE_FLOOR) / 448.0
+    if V_CHANNEL_SCALE:  # per channel over all keys, from V's range (centers_kernel wrote it into VS)
+        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / 448.0
         vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     elif V_FP8:
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / 448.0

@@ -79,8 +79,12 @@ def test_kv_pass_hopper_layout_matches_the_reference_quantization():
     torch.testing.assert_close(v_bar, quant.smoothing_center(v, tuning.center_sample()))
     torch.testing.assert_close(k_bar, quant.smoothing_center(k, tuning.center_sample()))
     v_smooth = v - v_bar[:, :, None]
-    # V scale: max |V − v̄| per channel over all keys
-    torch.testing.assert_close(kv.vs.view(b, hk, -1)[..., :d], v_smooth.abs().amax(2), rtol=1e-5, atol=1e-5)
+    # V's range per channel over all keys (max V, max −V), from which max |V − v̄| follows exactly
+    v_range = kv.vs.view(b, hk, 2, -1)[..., :d]
+    assert torch.equal(v_range[:, :, 0], v.amax(2)) and torch.equal(v_range[:, :, 1], (-v).amax(2))
+    assert torch.isinf(kv.vs.view(b, hk, 2, -1)[..., d:]).all(), "padding channels keep −inf"
+    absmax = torch.maximum(v_range[:, :, 0] - v_bar, v_bar + v_range[:, :, 1])
+    assert torch.equal(absmax, v_smooth.abs().amax(2))
     v_hat, _ = quant.quantize_v(v_smooth, "fp8_e4m3", "channel", 128)
     stored = kv.vq.view(b, hk, d, kv.nk_pad).float()
     by_token = torch.empty_like(stored)

@@ -22,8 +22,11 @@ def store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk
     rows = row0 + gl.arange(0, BM, layout=row)
     cols = gl.arange(0, D_PAD, layout=col)
     inside = (rows < NQ)[:, None] & (cols < HEAD_DIM)[None, :]
-    v_scale = gl.maximum(gl.load(V_SCALE + bhk * D_PAD + cols), 1e-30) / 448.0  # V_SCALE holds max |V − v̄|
     v_bar = gl.load(V_BAR + bhk * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    # V_SCALE holds V's range per channel (max V, max −V): max |V − v̄| as the K/V pass computed it
+    v_absmax = gl.maximum(gl.load(V_SCALE + bhk * 2 * D_PAD + cols) - v_bar,
+                          v_bar + gl.load(V_SCALE + (bhk * 2 + 1) * D_PAD + cols))
+    v_scale = gl.maximum(v_absmax, 1e-30) / 448.0
     out = gl.where(seen[:, None], acc * inv_l[:, None] * v_scale[None, :] + v_bar[None, :], 0.0)
     base = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_od,
