@@ -14,9 +14,10 @@ Cases (each in its own try/except, so one failure does not hide the others):
 - Wan- and Flux-shaped denoisers (if diffusers is importable; 2 blocks of real widths, random weights)
   patched with ``hf_qattn.patch``: graph breaks, compiled vs eager, reduce-overhead, timings.
 
-Agreement: the kernels are deterministic, so compiled and eager should match closely; the bar is
-the relative error of compiled vs eager against that of qattn vs SDPA (the method's own error),
-and for decode the fraction of identical greedy tokens. The table is printed last and written
+Agreement: the op alone (``qattn op``: the kernels are deterministic) must be bit-identical compiled,
+under CUDA graphs and eager. In a model, compiling also fuses and reorders the other ops, so the bar
+there is what compiling does to the same model with SDPA: qattn's compiled-vs-eager gap at most 1.5×
+SDPA's (+1e-3); for decode, the fraction of identical greedy tokens. The table is printed last and written
 as markdown under --out.
 """
 
@@ -94,6 +95,35 @@ def llama(attn: str, layers: int):
     return model.eval()
 
 
+@case("qattn op")
+def qattn_op(args):
+    """The op alone, compiled (fullgraph) and replayed from a CUDA graph, against eager on the same
+    inputs: the kernels are deterministic, so the outputs must be bit-identical."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    end = torch.tensor([1000, 700], device="cuda", dtype=torch.int32)
+
+    def fn(q, k, v, end):
+        return hf_qattn.qattn(q, k, v, is_causal=True, kv_end=end)
+
+    with torch.no_grad():
+        count, reasons = breaks(fn, q, k, v, end)
+        eager = fn(q, k, v, end)
+        got = torch.compile(fn, fullgraph=True)(q, k, v, end)
+        torch._dynamo.reset()
+        cg = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        cg(q, k, v, end)
+        cg(q, k, v, end)
+        cg_out = cg(q, k, v, end).clone()
+        torch._dynamo.reset()
+    row("qattn op", shape="B2 Hq8 Hk2 N1000 d128 causal kv_end bf16", graph_breaks=count, break_reasons=reasons,
+        compiled_vs_eager="bit-identical" if torch.equal(got, eager) else f"{rel(got, eager):.2e}",
+        cudagraph_vs_eager="bit-identical" if torch.equal(cg_out, eager) else f"{rel(cg_out, eager):.2e}")
+    if count or not (torch.equal(got, eager) and torch.equal(cg_out, eager)):
+        FAILED.append("qattn op")
+
+
 @case("llama prefill")
 def llama_prefill(args):
     batch, seq = 1, args.prefill
@@ -126,10 +156,12 @@ def llama_prefill(args):
     q, s = results["qattn"], results["sdpa"]
     row("llama prefill", shape=f"B{batch} N{seq} L{args.layers}", graph_breaks=q["breaks"], break_reasons=q["reasons"],
         compiled_vs_eager=f"{rel(q['compiled'], q['eager']):.2e}", cudagraph_vs_eager=f"{rel(q['cg'], q['eager']):.2e}",
-        qattn_vs_sdpa=f"{rel(q['eager'], s['eager']):.2e}",
+        sdpa_compiled_vs_eager=f"{rel(s['compiled'], s['eager']):.2e}", qattn_vs_sdpa=f"{rel(q['eager'], s['eager']):.2e}",
         sdpa_ms=f"eager {s['eager_ms']:.2f} / compiled {s['ms']:.2f} / cudagraph {s['cg_ms']:.2f}",
         qattn_ms=f"eager {q['eager_ms']:.2f} / compiled {q['ms']:.2f} / cudagraph {q['cg_ms']:.2f}")
-    if q["breaks"] or not rel(q["compiled"], q["eager"]) <= max(0.1 * rel(q["eager"], s["eager"]), 1e-2):
+    # compile reorders and fuses the model's other ops too: qattn's compiled-vs-eager gap must stay within
+    # what compiling does to the same model with SDPA (the op itself is checked alone in "qattn op")
+    if q["breaks"] or not rel(q["compiled"], q["eager"]) <= 1.5 * rel(s["compiled"], s["eager"]) + 1e-3:
         FAILED.append("llama prefill")
 
 
@@ -233,7 +265,7 @@ def denoiser_case(name, build):
         with torch.no_grad():
             ref_eager = forward(**inputs)
             compiled = torch.compile(forward, fullgraph=False)
-            compiled(**inputs)
+            ref_compiled = compiled(**inputs)
             sdpa_ms = timed(lambda: compiled(**inputs))
             torch._dynamo.reset()
             with hf_qattn.patch(model):
@@ -248,19 +280,22 @@ def denoiser_case(name, build):
                 cg(**inputs)
                 cg_out = cg(**inputs).clone()
                 cg_ms = timed(lambda: cg(**inputs))
-            out = dict(eager=eager.float(), got=got.float(), cg=cg_out.float(), ref=ref_eager.float())
+            out = dict(eager=eager.float(), got=got.float(), cg=cg_out.float(), ref=ref_eager.float(),
+                       ref_compiled=ref_compiled.float())
         row(name, shape=f"{tuple(inputs['hidden_states'].shape)}", graph_breaks=count, break_reasons=reasons,
             compiled_vs_eager=f"{rel(out['got'], out['eager']):.2e}",
             cudagraph_vs_eager=f"{rel(out['cg'], out['eager']):.2e}",
+            sdpa_compiled_vs_eager=f"{rel(out['ref_compiled'], out['ref']):.2e}",
             qattn_vs_sdpa=f"{rel(out['eager'], out['ref']):.2e}",
             sdpa_ms=f"compiled {sdpa_ms:.2f}", qattn_ms=f"compiled {qattn_ms:.2f} / cudagraph {cg_ms:.2f}")
-        if count or not rel(out["got"], out["eager"]) <= max(0.1 * rel(out["eager"], out["ref"]), 1e-2):
+        if count or not rel(out["got"], out["eager"]) <= 1.5 * rel(out["ref_compiled"], out["ref"]) + 1e-3:
             FAILED.append(name)
     return run
 
 
 def table() -> str:
-    keys = ["case", "shape", "graph_breaks", "compiled_vs_eager", "cudagraph_vs_eager", "qattn_vs_sdpa",
+    keys = ["case", "shape", "graph_breaks", "compiled_vs_eager", "cudagraph_vs_eager", "sdpa_compiled_vs_eager",
+            "qattn_vs_sdpa",
             "sdpa_ms", "qattn_ms", "break_reasons", "error"]
     keys = [k for k in keys if any(k in r for r in ROWS)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -275,13 +310,15 @@ def main() -> int:
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--skip", nargs="*", default=[], help="cases to skip: prefill decode wan flux")
+    p.add_argument("--skip", nargs="*", default=[], help="cases to skip: op prefill decode wan flux")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("check_compile needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.set_float32_matmul_precision("high")
     started = time.time()
+    if "op" not in args.skip:
+        qattn_op(args)
     if "prefill" not in args.skip:
         llama_prefill(args)
     if "decode" not in args.skip:
