@@ -1,0 +1,74 @@
+"""Why is one SDPA decode step of bench_decode's 8-layer model ~60 ms? Times steps two ways and profiles.
+
+    bash eval/device_run.sh python3 eval/probe_generate_step.py
+
+For SDPA + DynamicCache and qattn + QAttnCache (int8): prefill a 4k prompt, then 24 greedy steps, each
+timed by CUDA events (what bench_decode reports) and by the host clock around a synchronised step;
+then torch.profiler over 3 steps, printing the ops with the most host (self CPU) and GPU time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import transformers as tf
+
+import hf_qattn
+
+
+def build():
+    config = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=1 << 17,
+                            rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    return model.eval()
+
+
+@torch.no_grad()
+def probe(model, mode: str, prompt: int = 4096):
+    if mode == "sdpa":
+        model.set_attn_implementation("sdpa")
+        cache = tf.DynamicCache(config=model.config)
+    else:
+        model.set_attn_implementation("qattn")
+        cache = hf_qattn.QAttnCache(model, plan="int8")
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    events, hosts = [], []
+    for step in range(24):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = model(token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        end.record()
+        end.synchronize()
+        if step >= 8:
+            events.append(start.elapsed_time(end))
+            hosts.append((time.perf_counter() - t0) * 1e3)
+    print(f"== {mode}: event ms/step {statistics.median(events):.2f}, synchronised wall ms/step "
+          f"{statistics.median(hosts):.2f}", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
+def main():
+    model = build()
+    for mode in ("sdpa", "qattn", "sdpa"):  # sdpa twice: a first-run effect would show as a difference
+        probe(model, mode)
+
+
+if __name__ == "__main__":
+    main()
