@@ -1,6 +1,6 @@
 """Why is one SDPA decode step of bench_decode's 8-layer model ~60 ms? Times steps two ways and profiles.
 
-    bash eval/device_run.sh python3 eval/probe_generate_step.py
+    bash eval/device_run.sh python3 eval/probe_generate_step.py [PROMPT [MODES]]    e.g. 16384 qattn,sdpa
 
 For SDPA + DynamicCache and qattn + QAttnCache (int8): prefill a 4k prompt, then 24 greedy steps, each
 timed by CUDA events (what bench_decode reports) and by the host clock around a synchronised step;
@@ -60,14 +60,18 @@ def probe(model, mode: str, prompt: int = 4096):
             out = model(token, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
 
 
 def main():
+    import sys
+
+    prompt = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["sdpa", "qattn", "sdpa"]  # sdpa twice: first-run effects
     model = build()
-    for mode in ("sdpa", "qattn", "sdpa"):  # sdpa twice: a first-run effect would show as a difference
-        probe(model, mode)
+    for mode in modes:
+        probe(model, mode, prompt)
 
 
 if __name__ == "__main__":
