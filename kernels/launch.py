@@ -192,6 +192,7 @@ def hopper_attention(
     kv_end: torch.Tensor | None,
     return_lse: bool,
     stages: int | None = None,
+    persistent: bool | None = None,
 ) -> torch.Tensor | None:
     """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``."""
     config = tuning.hopper_config(q.shape[-1])
@@ -201,31 +202,41 @@ def hopper_attention(
                      k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"])
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
-                                pingpong=config["PINGPONG"])
+                                pingpong=config["PINGPONG"], persistent=persistent)
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
-                         kv_end, return_lse: bool, stages: int, pingpong: bool):
+                         kv_end, return_lse: bool, stages: int, pingpong: bool, persistent: bool | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
     from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
-    block_n, d_pad = tuning.hopper_config(d)["BLOCK_N"], tuning.padded_head_dim(d)
+    config = tuning.hopper_config(d)
+    persistent = config["PERSISTENT"] if persistent is None else persistent
+    block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     k_layout, vt_layout, ds_layout = _hopper_layouts(block_n, d_pad)
     k_desc = GluonDescriptor.from_tensor(kv.kq, [block_n, d_pad], k_layout)
     vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout)
     ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
-    hopper_kernel[(triton.cdiv(nq, 128), b * hq)](
+    items = triton.cdiv(nq, 128) * b * hq  # work items: 128 query rows of one batch·query-head
+    grid = min(items, _sm_count(q.device) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
+    hopper_kernel[(grid,)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
-        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E, sm_scale,
+        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
-        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, num_warps=4,
+        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, PERSISTENT=persistent,
+        num_warps=4,
     )
     return lse
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

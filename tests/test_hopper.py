@@ -25,7 +25,7 @@ needs_gluon = pytest.mark.skipif(gluon_api.missing() is not None, reason=f"{gluo
 # every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes
 SHIPPED = [
     {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": causal, "return_lse": lse,
-     "has_kv_range": kv_range, "dtype": dtype}
+     "has_kv_range": kv_range, "dtype": dtype, "persistent": tuning.hopper_config(d)["PERSISTENT"]}
     for d in (64, 128)
     for causal, lse, kv_range, dtype in ((False, False, False, "fp16"), (True, True, True, "bf16"),
                                          (True, False, False, "fp16"), (False, True, True, "fp16"))

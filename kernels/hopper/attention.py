@@ -1,60 +1,43 @@
-"""The kernel: one CTA per (128 query rows, batch·query-head), warp-specialized into
-two consumer warpgroups of 64 rows (``consumer``, FA3's "MMA + softmax" role) and one loader
-warp (``load_kv``), meeting on a ring of STAGES shared-memory stages.
+"""The kernel: CTAs of two consumer warpgroups of 64 query rows (``consumer``, FA3's "MMA + softmax"
+role) and one loader warp (``load_kv``), meeting on a ring of STAGES shared-memory stages. A work item
+is 128 query rows of one batch·query-head; the scheduler (``scheduler.py``) deals items to CTAs, one
+each, or, with PERSISTENT, many to each of one CTA per SM.
 
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
 (``kernels/quantize.py``), in buffers padded to whole 128-key tiles and head dims of 64 or 128:
 K̂ int8 (B·Hk·NK_PAD, D_PAD) with δK per tile (or per token), V̂ᵀ FP8 (B·Hk·D_PAD, NK_PAD) with
-keys permuted inside 32-key groups and δV per channel, ΔS per (query head, key) — all three
-through TMA descriptors, loaded by the loader warp — and the smoothing centers. GQA/MQA: query head h reads K/V head h // GROUPS, no copies.
+keys permuted inside 32-key groups and V's per-channel range, ΔS per (query head, key) — all three
+through TMA descriptors, loaded by the loader warp — and the smoothing centers. GQA/MQA: query head
+h reads K/V head h // GROUPS, no copies.
 """
 
 from .epilogue import store_output
 from .gluon_api import gl, gluon, mbarrier
 from .loader import load_kv
 from .mainloop import attend, quantize_q
-from .scheduler import key_tiles, query_block
+from .scheduler import item_range, key_tiles, work_item
 
 CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgroups × 232 + 1 loader warp × 24
 LOADER_REGISTERS = gl.constexpr(24)
+BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroups of 64
 
 
 @gluon.jit
-def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
-             turn,             b, h, bhq, bhk, cta_row0, end,
-             stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-             NQ, NK, score_coef, sm_scale,
-             WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-             P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr):
+def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_smem, k_smem, v_smem, ds_smem,
+                 kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
+                 stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
+                 WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
+                 K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
+                 PINGPONG: gl.constexpr):
+    """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
+    position after it (``base`` + its key tiles)."""
     BM: gl.constexpr = 64
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D_PAD, 32])
-    row0 = cta_row0 + WARPGROUP * BM
-    q_smem = q_all.index(WARPGROUP)
-    q_coef = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
-                        score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, qk_layout)
-    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, end,
-                           cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL, K_TOKEN_SCALE,
-                           P_LOG2, PINGPONG, qk_layout, o_layout)
-    store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
-                 stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-                 HEAD_DIM, D_PAD, BM, P_LOG2, RETURN_LSE, o_layout)
-
-
-@gluon.jit
-def attention_kernel(
-    Q, k_desc, vt_desc, ds_desc, KS, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
-    stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
-    HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-    P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
-):
-    BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
-    m_block, bhq = query_block(NQ, BLOCK_M, CAUSAL)
+    m_block, bhq = work_item(t, NQ, BLOCK_M, CAUSAL)
     b = bhq // HQ
     h = bhq % HQ
     bhk = b * (HQ // GROUPS) + h // GROUPS
@@ -63,7 +46,56 @@ def attention_kernel(
         KS_bh = KS + bhk.to(gl.int64) * NK_PAD
     else:
         KS_bh = KS + bhk.to(gl.int64) * NUM_TILES
+    cta_row0 = m_block * BLOCK_M
+    row0 = cta_row0 + WARPGROUP * BM
+    q_coef = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
+                        score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, qk_layout)
+    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, base, end,
+                           cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL, K_TOKEN_SCALE,
+                           P_LOG2, PINGPONG, qk_layout, o_layout)
+    store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
+                 stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+                 HEAD_DIM, D_PAD, BM, P_LOG2, RETURN_LSE, o_layout)
+    return base + end
 
+
+@gluon.jit
+def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
+             kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+             HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
+             WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
+             K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+             PERSISTENT: gl.constexpr):
+    q_smem = q_all.index(WARPGROUP)
+    if PERSISTENT:
+        first, step = item_range(NUM_ITEMS, PERSISTENT)
+        base = 0  # the ring's tiles consumed before this item (the loader counts alike)
+        for t in range(first, NUM_ITEMS, step):
+            base = consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_smem, k_smem,
+                                v_smem, ds_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn,
+                                stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
+                                NUM_TILES, score_coef, sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES,
+                                QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)
+    else:
+        consume_item(gl.program_id(0), 0, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_smem, k_smem,
+                     v_smem, ds_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd,
+                     stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
+                     sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE,
+                     K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)
+
+
+@gluon.jit
+def attention_kernel(
+    Q, k_desc, vt_desc, ds_desc, KS, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
+    HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
+    P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+):
+    # ping-pong's turn barriers count tiles per item; a persistent CTA would need them counted across items
+    gl.static_assert(not (PINGPONG and PERSISTENT), "PINGPONG and PERSISTENT do not combine")
     q_all = gl.allocate_shared_memory(gl.int8, [2, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.int8))
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
@@ -78,17 +110,18 @@ def attention_kernel(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
-    cta_row0 = m_block * BLOCK_M
     gl.warp_specialize([
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
-                    kv_empty, turn,                    b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
-                    stride_ob, stride_oh, stride_on, stride_od, NQ, NK, score_coef, sm_scale,
-                    0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)),
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS_bh, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
-                    kv_empty, turn,                    b, h, bhq, bhk, cta_row0, end, stride_qb, stride_qh, stride_qn, stride_qd,
-                    stride_ob, stride_oh, stride_on, stride_od, NQ, NK, score_coef, sm_scale,
-                    1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)),
-        (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empty,
-                   (bhk * NK_PAD).to(gl.int32), (bhk * D_PAD).to(gl.int32), (bhq * NK_PAD).to(gl.int32), end,
-                   BLOCK_N, STAGES)),
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
+                    kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                    stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
+                    0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
+                    RETURN_LSE, PINGPONG, PERSISTENT)),
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
+                    kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                    stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
+                    1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
+                    RETURN_LSE, PINGPONG, PERSISTENT)),
+        (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KV_END,
+                   HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, BLOCK_M, BLOCK_N, D_PAD, STAGES, CAUSAL, HAS_KV_RANGE,
+                   PERSISTENT)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])

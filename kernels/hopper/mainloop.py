@@ -111,11 +111,13 @@ def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, end, first_row, row0, NQ,
+def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, base, end, first_row, row0, NQ,
            NK, WARPGROUP: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr,
            STAGES: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr,
            PINGPONG: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
-    """The main loop over key tiles [0, end): returns (O unnormalized, l, m).
+    """The main loop over key tiles [0, end): returns (O unnormalized, l, m). ``base`` counts the ring's
+    tiles before this work item (the ring runs on across a persistent CTA's items): tile i sits in
+    stage (base + i) % STAGES.
 
     With PINGPONG the two warpgroups take turns issuing their MMAs (FA3's warp scheduler barrier):
     the tensor cores run one warpgroup's Q·Kᵀ and P·V while the other one's softmax runs, instead
@@ -133,10 +135,11 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS
             if WARPGROUP == 1:
                 mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 goes first
         k_scale = _k_scale(KS_bh, 0, BLOCK_N, K_TOKEN_SCALE, col)
-        mbarrier.wait(kv_ready.index(0), 0)
-        ds = ds_smem.index(0).load(col)  # ΔS of the tile's keys, brought by the loader
+        s0 = base % STAGES
+        mbarrier.wait(kv_ready.index(s0), (base // STAGES) & 1)
+        ds = ds_smem.index(s0).load(col)  # ΔS of the tile's keys, brought by the loader
         _take_turn(turn, 0, WARPGROUP, PINGPONG)
-        qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_smem, k_smem.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         _pass_turn(turn, WARPGROUP, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, 0, first_row, row0,
@@ -144,11 +147,11 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS
         # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
         # into bytes by the lowering (about 200 extra instructions a tile).
         for i in range(end - 1):
-            s = i % STAGES
-            s1 = (i + 1) % STAGES
+            s = (base + i) % STAGES
+            s1 = (base + i + 1) % STAGES
             p8 = _p_operand(p, BM, BLOCK_N, p_layout)
             k_scale = _k_scale(KS_bh, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
-            mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
+            mbarrier.wait(kv_ready.index(s1), ((base + i + 1) // STAGES) & 1)
             _take_turn(turn, i + 1, WARPGROUP, PINGPONG)
             qk = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
@@ -160,7 +163,7 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(s), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        s = (end - 1) % STAGES
+        s = (base + end - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
         _take_turn(turn, end, WARPGROUP, PINGPONG)
         acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)

@@ -24,7 +24,8 @@ def _tool(name: str) -> str:
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int = 3,
-                 return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16", pingpong: bool = True):
+                 return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16", pingpong: bool = False,
+                 persistent: bool = False):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -50,12 +51,12 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         "KV_END": "*i32", "O": f"*{dtype}", "LSE": "*fp32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "stride_qd": "i32",
         "stride_ob": "i32", "stride_oh": "i32", "stride_on": "i32", "stride_od": "i32",
-        "HQ": "i32", "GROUPS": "i32", "NQ": "i32", "NK": "i32", "NK_PAD": "i32", "NUM_TILES": "i32",
+        "HQ": "i32", "GROUPS": "i32", "NQ": "i32", "NK": "i32", "NK_PAD": "i32", "NUM_TILES": "i32", "NUM_ITEMS": "i32",
         "score_coef": "fp32", "sm_scale": "fp32",
     }
     constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
-                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse, "PINGPONG": pingpong}
+                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse, "PINGPONG": pingpong, "PERSISTENT": persistent}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names

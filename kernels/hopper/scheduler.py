@@ -1,24 +1,37 @@
-"""Tile scheduler: which query rows a CTA owns, and which key tiles every role of it visits.
+"""Tile scheduler: which (query block, batch·query-head) work items a CTA owns, and which key tiles
+every role of it visits.
 
-The grid is (query blocks of BLOCK_M rows, batch·query-heads). Causal grids run the longest
-rows first (the last query block sees the most keys), so the short blocks fill the tail of the
-launch instead of one long block running alone at the end.
+Work items are numbered head by head, query blocks of BLOCK_M rows fastest (neighbouring items share
+K/V in L2); causal heads run their longest block first, so short blocks fill the tail of the launch.
+A CTA takes items ``first, first + step, ...``: with PERSISTENT one CTA per SM walks many items, so
+the loader already streams the next item's first key tiles while the consumers write the last
+item's output, and no CTA is launched, set up or torn down per item; without it each CTA has one item.
 
-The loader and the consumers call the same function, so they agree on the tile sequence
-without talking: tiles [0, end) of BLOCK_N keys, end covering every key left of kv_end and,
-when causal, left of the last row's diagonal (aligned bottom-right).
+The loader and the consumers call the same functions, so they agree on the item and tile sequence
+without talking: tiles [0, end) of BLOCK_N keys, end covering every key left of kv_end and, when
+causal, left of the last row's diagonal (aligned bottom-right).
 """
 
 from .gluon_api import gl, gluon
 
 
 @gluon.jit
-def query_block(NQ, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(query block index, b·Hq + h) of this CTA."""
-    pid = gl.program_id(0)
+def item_range(NUM_ITEMS, PERSISTENT: gl.constexpr):
+    """(first item, step) of this CTA."""
+    if PERSISTENT:
+        return gl.program_id(0), gl.num_programs(0)
+    else:
+        return gl.program_id(0), NUM_ITEMS
+
+
+@gluon.jit
+def work_item(t, NQ, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(query block index, b·Hq + h) of item ``t``."""
+    num_m = gl.cdiv(NQ, BLOCK_M)
+    m_block = t % num_m
     if CAUSAL:
-        pid = gl.cdiv(NQ, BLOCK_M) - 1 - pid  # longest first
-    return pid, gl.program_id(1)
+        m_block = num_m - 1 - m_block  # longest first
+    return m_block, t // num_m
 
 
 @gluon.jit
