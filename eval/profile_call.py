@@ -122,7 +122,7 @@ def main():
     passes = ["| shape | shipped | ΔS apart | no V relabel | per-tile V scale | w8 | w16 | copy K+V | pass GB/s | "
               "copy GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     centers = ["| shape | rows 64, 4 warps | rows 128, 4 warps | rows 256, 8 warps |", "|---|---|---|---|"]
-    kernels = ["| shape | kernel, a CTA per item | kernel, persistent | whole call, a CTA per item | "
+    persistence = ["| shape | kernel, a CTA per item | kernel, persistent | whole call, a CTA per item | "
                "whole call, persistent | cuDNN |", "|---|---|---|---|---|---|"]
     host = ["| shape | qattn | hopper_attention | quantize_kv | smoothing_centers | hopper kernel launch | "
             "torch.empty | validate+decide |", "|---|---|---|---|---|---|---|---|"]
@@ -170,7 +170,7 @@ def main():
             return launch.hopper_attention(q, k, v, out, is_causal=False, sm_scale=d ** -0.5, qk="int8",
                                            smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None,
                                            return_lse=False, persistent=persistent)
-        kernels.append(f"| {label} | " + " | ".join(f"{graph_ms(fn) * 1e3:.1f} µs" for fn in (
+        persistence.append(f"| {label} | " + " | ".join(f"{graph_ms(fn) * 1e3:.1f} µs" for fn in (
             lambda: kernel_alone(False), lambda: kernel_alone(True), lambda: whole(False), lambda: whole(True)))
             + f" | {c_graph * 1e3:.1f} µs |")
         pieces = {
@@ -188,13 +188,13 @@ def main():
                                         hf_qattn.api._decide("cuda", 0, d, "auto", "int8", "fp8", None)),
         }
         host.append(f"| {label} | " + " | ".join(f"{host_us(fn):.0f}" for fn in pieces.values()) + " |")
-        print(summary[-1], "\n", details[-1], "\n", passes[-1], "\n", centers[-1], "\n", kernels[-1], "\n", host[-1],
+        print(summary[-1], "\n", details[-1], "\n", passes[-1], "\n", centers[-1], "\n", persistence[-1], "\n", host[-1],
               flush=True)
         del q, k, v, src, dst, kv, out
     lines += ["## One call", "", *summary, "", "## GPU µs a call, by kernel (profiler)", "", *details, "",
               "## The K/V pass (centers + V max + quantize), GPU ms a call (CUDA graph)", "", *passes, "",
               "## The centers kernel, GPU time a call (CUDA graph)", "", *centers, "",
-              "## The Hopper kernel: a CTA per work item or persistent, GPU time a call (CUDA graph)", "", *kernels,
+              "## The Hopper kernel: a CTA per work item or persistent, GPU time a call (CUDA graph)", "", *persistence,
               "",
               "## Host µs to issue each piece (GPU held busy)", "", *host, ""]
     text = "\n".join(lines)
