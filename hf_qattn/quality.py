@@ -1,0 +1,82 @@
+"""Weight-free image/video quality of a quantized run against the full-precision run of the same seed.
+
+Layout: images (N, C, H, W) and videos (N, F, C, H, W), float, values in [0, ``data_range``].
+
+- :func:`psnr` — 10·log10(range² / MSE) per sample (inf when identical);
+- :func:`ssim` — mean structural similarity per sample, Gaussian window 11 / σ 1.5 on every channel
+  (Wang et al. 2004, the constants K1 = 0.01, K2 = 0.03);
+- :func:`frame_cosine` — cosine similarity of each frame, flattened;
+- :func:`temporal_flickering` — VBench's weight-free dimension: 1 − mean |frame t+1 − frame t| / 255
+  on 8-bit frames, per video (1 = no change between frames).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    mse = (a.double() - b.double()).pow(2).flatten(1).mean(1)
+    return 10 * torch.log10(data_range ** 2 / mse)  # +inf where mse == 0
+
+
+def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
+    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
+    g = torch.exp(-x ** 2 / (2 * sigma ** 2))
+    return g / g.sum()
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    """Mean SSIM per image of (N, C, H, W) tensors (valid windows only; H and W ≥ 11)."""
+    if a.shape != b.shape or a.dim() != 4:
+        raise ValueError(f"ssim takes two (N, C, H, W) tensors of one shape; got {tuple(a.shape)}, {tuple(b.shape)}")
+    if min(a.shape[-2:]) < 11:
+        raise ValueError(f"ssim needs images of at least 11×11 pixels; got {tuple(a.shape[-2:])}")
+    a, b = a.double(), b.double()
+    channels = a.shape[1]
+    g = _gaussian_window()
+    window = (g[:, None] * g[None, :]).expand(channels, 1, 11, 11).contiguous()
+
+    def blur(x):
+        return torch.nn.functional.conv2d(x, window, groups=channels)
+
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a ** 2
+    var_b = blur(b * b) - mu_b ** 2
+    cov = blur(a * b) - mu_a * mu_b
+    index = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return index.flatten(1).mean(1)
+
+
+def frame_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of each frame: (N, F, ...) → (N, F); images (N, C, H, W) count as one frame."""
+    if a.dim() == 4:
+        a, b = a[:, None], b[:, None]
+    return torch.nn.functional.cosine_similarity(a.double().flatten(2), b.double().flatten(2), dim=-1)
+
+
+def temporal_flickering(video: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    """VBench's temporal flickering score per video of (N, F, C, H, W) frames in [0, data_range]."""
+    if video.dim() != 5 or video.shape[1] < 2:
+        raise ValueError(f"temporal_flickering takes (N, F ≥ 2, C, H, W) videos; got {tuple(video.shape)}")
+    frames = (video.double() / data_range * 255).round().clamp(0, 255)
+    change = (frames[:, 1:] - frames[:, :-1]).abs().flatten(2).mean(-1).mean(-1)
+    return 1 - change / 255
+
+
+def report(reference: torch.Tensor, other: torch.Tensor, data_range: float = 1.0) -> dict[str, float]:
+    """Means over samples of every metric that applies to the layout (videos: SSIM over all frames)."""
+    video = reference.dim() == 5
+    frames_ref = reference.flatten(0, 1) if video else reference
+    frames_out = other.flatten(0, 1) if video else other
+    row = {"psnr": float(psnr(frames_ref, frames_out, data_range).mean()),
+           "cos_min": float(frame_cosine(reference, other).min())}
+    if min(frames_ref.shape[-2:]) >= 11:
+        row["ssim"] = float(ssim(frames_ref, frames_out, data_range).mean())
+    if video and reference.shape[1] >= 2:
+        row["flicker"] = float(temporal_flickering(other, data_range).mean())
+        row["flicker_ref"] = float(temporal_flickering(reference, data_range).mean())
+    return {key: (value if math.isfinite(value) else float("inf")) for key, value in row.items()}
