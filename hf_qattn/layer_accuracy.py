@@ -1,0 +1,110 @@
+"""Per-layer attention accuracy on real inputs: the Q, K, V every attention layer of a transformers model
+receives (captured inside transformers' attention interface: after RoPE, with the model's GQA heads,
+causal where the model is), run through :func:`hf_qattn.qattn` per mode and compared with float64
+attention on the same Q, K, V — CosSim, RelL1 and RMSE per layer, average and worst over the inputs.
+
+Used by ``hf-qattn eval-attention`` and ``eval/kernel_accuracy.py --per-layer``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hf_qattn
+
+from . import reference
+from .metrics import accuracy
+
+MODES = (("qattn-8b", "int8"), ("qattn-4b", "int4"))
+
+
+def _progress(iterable, **options):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are optional
+        return iterable
+    return tqdm(iterable, **options)
+
+
+def capture_attention_inputs(model, batches) -> list[dict]:
+    """Run ``model`` on ``batches`` with SDPA and keep what each attention call receives.
+
+    A temporary attention implementation records (layer, q, k, v, causal, scale) and then calls
+    transformers' own SDPA function, so the model runs exactly as with ``attn_implementation="sdpa"``.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    records: list[dict] = []
+    order: dict[int, int] = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            layer = getattr(module, "_qattn_layer_idx", None)
+        if not isinstance(layer, int):
+            layer = order.setdefault(id(module), len(order))
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        records.append(dict(layer=layer, q=query.detach().float().clone(), k=key.detach().float().clone(),
+                            v=value.detach().float().clone(), causal=bool(causal) and query.shape[2] > 1,
+                            scale=scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+
+    AttentionInterface.register("qattn_capture", capture)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("qattn_capture")
+    try:
+        with torch.no_grad():
+            for window, batch in enumerate(batches):
+                start = len(records)
+                model(**batch)
+                for record in records[start:]:
+                    record["window"] = window
+    finally:
+        model.set_attn_implementation(previous)
+    return records
+
+
+def per_layer_accuracy(records, modes=MODES) -> dict:
+    """{mode: {layer: [Accuracy per window]}} of hf_qattn.qattn against float64 attention."""
+    out: dict = {label: {} for label, _ in modes}
+    for record in _progress(records, desc="per-layer accuracy", leave=False):
+        q, k, v = record["q"], record["k"], record["v"]
+        exact = reference.exact_attention(q, k, v, is_causal=record["causal"], sm_scale=record["scale"])
+        for label, qk in modes:
+            result = hf_qattn.qattn(q, k, v, is_causal=record["causal"], sm_scale=record["scale"], qk=qk)
+            out[label].setdefault(record["layer"], []).append(accuracy(result, exact))
+    return out
+
+
+def per_layer_table(title: str, note: str, results: dict) -> str:
+    labels = list(results)
+    head = "| layer | " + " | ".join(f"{m} CosSim avg | {m} CosSim worst | {m} RelL1 avg | {m} RelL1 worst | {m} RMSE avg"
+                                      for m in labels) + " |"
+    lines = [f"### {title}\n", note + "\n", head, "|" + "---|" * (1 + 5 * len(labels))]
+
+    def cells(values):
+        n = len(values)
+        return (f"{sum(a.cos_sim for a in values) / n:.5f} | {min(a.cos_sim for a in values):.5f} | "
+                f"{sum(a.rel_l1 for a in values) / n:.4f} | {max(a.rel_l1 for a in values):.4f} | "
+                f"{sum(a.rmse for a in values) / n:.5f}")
+
+    for layer in sorted(results[labels[0]]):
+        lines.append(f"| {layer} | " + " | ".join(cells(results[m][layer]) for m in labels) + " |")
+    lines.append("| **all** | " + " | ".join(cells([a for v in results[m].values() for a in v]) for m in labels) + " |")
+    worst = {m: max(results[m], key=lambda layer: sum(a.rel_l1 for a in results[m][layer])) for m in labels}
+    lines.append("\nWorst layer by average RelL1: " + ", ".join(f"{m}: layer {layer}" for m, layer in worst.items())
+                 + ".\n")
+    return "\n".join(lines) + "\n"
+
+
+def text_windows(tokenizer, text_path: str, windows: int, tokens: int, words_per_window: int) -> list[dict]:
+    """``windows`` consecutive stretches of ``words_per_window`` words of the file, tokenized to ≤ ``tokens``."""
+    with open(text_path, encoding="utf-8") as f:
+        words = f.read().split()
+    batches = []
+    for window in range(windows):
+        text = " ".join(words[window * words_per_window:(window + 1) * words_per_window])
+        batches.append(dict(tokenizer(text, return_tensors="pt", truncation=True, max_length=tokens)))
+    return batches
