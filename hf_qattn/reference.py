@@ -57,13 +57,16 @@ def quantized_attention(
     kv_start: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
     return_lse: bool = False,
+    centers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """Quantized attention, simulated exactly (see the module docstring). HND layout.
 
     qk: "int8" | "int4" | "none";  pv: "fp8_e4m3" | "fp8_e5m2" | "int8" | "fp16" | "none".
     q_granularity / k_granularity: "token" | "warp" (``warp_rows`` rows) | "block" (``block_m`` /
     ``block_n`` rows) | "tensor". v_granularity: "channel" (over all keys) | "block" (per key tile).
-    center_sample: see :func:`hf_qattn.quant.smoothing_center`. Returns O, or (O, lse) with lse
+    center_sample: see :func:`hf_qattn.quant.smoothing_center`. centers: (q̄, k̄, v̄) as (B, H, D) tensors
+    to use instead (a kernel's own, whose sums ran in another order: a last-bit difference in a center
+    can flip a rounding tie, which is not what a kernel-vs-reference comparison is after). Returns O, or (O, lse) with lse
     (B, Hq, Nq) float32 in natural-log units of the scaled scores.
     """
     if qk not in quant.QK_FORMATS:
@@ -79,7 +82,10 @@ def quantized_attention(
     def center(x, on):
         return quant.smoothing_center(x, center_sample) if on else x.new_zeros(x.shape[:2] + x.shape[-1:])
 
-    q_bar, k_bar, v_bar = center(qf, smooth_q), center(kf, smooth_k), center(vf, smooth_v)
+    if centers is None:
+        q_bar, k_bar, v_bar = center(qf, smooth_q), center(kf, smooth_k), center(vf, smooth_v)
+    else:
+        q_bar, k_bar, v_bar = (c.float() for c in centers)
     qs, ks, vs = qf - q_bar[:, :, None], kf - k_bar[:, :, None], vf - v_bar[:, :, None]
     delta_s = torch.einsum("bhd,bhnd->bhn", q_bar, _repeat_kv(ks, groups))
 
