@@ -106,10 +106,45 @@ def kernel_us(fn, calls: int = 20) -> dict[str, float]:
     return dict(totals)
 
 
+def stages_sweep(args):
+    """GPU µs of the Hopper kernel alone (CUDA graph) per ring depth, next to the shipped depth."""
+    lines = [f"# Hopper kernel ring stages — {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
+             "| d | N | causal | " + " | ".join(f"{s} stages µs" for s in (2, 3, 4)) + " | shipped |", "|" + "---|" * 7]
+    for d in (64, 128):
+        for n in (1024, 4096, 16384):
+            for causal in (False, True):
+                q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+                config = tuning.hopper_config(d)
+                kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
+                                        smooth_k=True, smooth_v=True, kv_start=None, kv_end=None,
+                                        block_n=config["BLOCK_N"], k_token_scale=False, v_channel_scale=True,
+                                        permute_v=True, num_warps=config["KV_PASS_WARPS"])
+                out = torch.empty_like(q)
+                cells = []
+                for stages in (2, 3, 4):
+                    try:
+                        cells.append(f"{graph_ms(lambda s=stages: launch.hopper_kernel_launch(q, 32, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk='int8', kv_end=None, return_lse=False, stages=s, pingpong=False)) * 1e3:.1f}")  # noqa: E501
+                    except Exception as error:  # noqa: BLE001  (a depth that does not fit shared memory)
+                        cells.append(f"failed: {type(error).__name__}")
+                lines.append(f"| {d} | {n} | {causal} | " + " | ".join(cells) + f" | {config['STAGES']} |")
+                print(lines[-1], flush=True)
+                del q, k, v, kv, out
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        path = os.path.join(args.out, f"stages-{torch.cuda.get_device_name().replace(' ', '-')}-{datetime.date.today()}.md")
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for the markdown file")
+    parser.add_argument("--stages-sweep", action="store_true",
+                        help="only time the Hopper kernel alone at 2, 3 and 4 ring stages (B4 H32 fp16, d64 and d128)")
     args = parser.parse_args()
+    if args.stages_sweep:
+        return stages_sweep(args)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     lines = [f"# Where a qattn call's time goes — {name}, {datetime.date.today()}",
