@@ -131,6 +131,33 @@ def test_llama_compiles_without_breaks(tiny_model, fresh_stats, padded):
     assert set(calls) == {"reference"} and not hf_qattn.fallback_stats()["fallbacks"]
 
 
+def test_llama_float_mask_under_compile_falls_back_without_breaks(tiny_model, fresh_stats):
+    """An additive 4D mask is analysed by value in eager mode; inside a graph it falls back to SDPA, counted."""
+    from hf_qattn.masks import visible_keys
+
+    model = _llama(tiny_model)
+    ids = torch.randint(0, 128, (2, 10))
+    visible = visible_keys(2, 10, 10, is_causal=True, kv_start=torch.tensor([0, 3]))
+    additive = torch.zeros(2, 1, 10, 10).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+    def forward(ids, mask):
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(forward)(ids, additive)
+        assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
+        torch._dynamo.reset()
+        hf_qattn.reset_fallback_stats()
+        with pytest.warns(RuntimeWarning, match="float"):
+            got = torch.compile(forward, backend="aot_eager", fullgraph=True)(ids, additive)
+        model.set_attn_implementation("sdpa")
+        want = forward(ids, additive)
+    torch.testing.assert_close(got, want)
+    # counted once per traced call site: one per layer
+    assert hf_qattn.fallback_stats()["fallbacks"] == {
+        "under torch.compile: float (additive) attention mask": model.config.num_hidden_layers}
+
+
 def test_llama_static_cache_decode_step_without_breaks(tiny_model, fresh_stats):
     import transformers as tf
 

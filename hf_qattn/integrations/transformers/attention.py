@@ -302,6 +302,7 @@ def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling)
 REASON_COMPILE_WINDOW = "under torch.compile: sliding-window layer with several queries"
 REASON_COMPILE_OFFSET = "under torch.compile: mask with more keys than queries and several queries (static-cache prefill)"
 REASON_COMPILE_HEADS = "under torch.compile: attention mask that differs per head"
+REASON_COMPILE_FLOAT_MASK = "under torch.compile: float (additive) attention mask"
 
 _active_calibrations = 0  # a plain global, so a compiled graph is guarded on it (the contextvar is not)
 
@@ -341,8 +342,10 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
 
 def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
     """(pattern, exact, None) with ``exact`` a (batch,) bool tensor or None, else (None, None, reason)."""
-    if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 \
-            or attention_mask.dtype != torch.bool:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype != torch.bool:
+        # eager mode analyses additive masks (hf_qattn.masks), which reads values: not inside a graph
+        return None, None, REASON_COMPILE_FLOAT_MASK
+    if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
         return pattern, None, reason
     batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
