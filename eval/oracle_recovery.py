@@ -30,6 +30,10 @@ def main(argv=None) -> int:
     parser.add_argument("--test-windows", type=int, default=2)
     parser.add_argument("--test-len", type=int, default=512)
     parser.add_argument("--ratios", default="0.1,0.3,0.5")
+    parser.add_argument("--rank-on", choices=("test", "valid"), default="test",
+                        help="text the layers are ranked on: the test windows (the oracle) or --rank-windows "
+                             "WikiText-2 validation windows (a calibration by perplexity gain)")
+    parser.add_argument("--rank-windows", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -40,19 +44,24 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     date = datetime.date.today().isoformat()
-    out = args.out or os.path.join(HERE, "results", f"oracle-recovery-cpu-{date}.md")
+    name = "oracle-recovery" if args.rank_on == "test" else "ppl-gain-calibration"
+    out = args.out or os.path.join(HERE, "results", f"{name}-cpu-{date}.md")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
     layers = model.config.num_hidden_layers
     test = windows(tokenizer, os.path.join(DATA, "test.txt"), args.test_windows, args.test_len)
+    rank_text = test if args.rank_on == "test" else windows(tokenizer, os.path.join(DATA, "valid.txt"),
+                                                            args.rank_windows, args.test_len)
     ppl: dict[str, float] = {}
     gains: dict[int, float] = {}
 
     def save():
-        lines = [f"# Oracle recovery bound — SmolLM2-135M-Instruct, CPU reference, {date}", "",
-                 f"`python eval/oracle_recovery.py --test-windows {args.test_windows} --test-len {args.test_len}`: "
-                 "token perplexity on WikiText-2 *test* windows; each layer alone at int8 (rest int4), ranked by "
-                 "its gain on the same windows (an oracle: a bound, not a calibration).", ""]
+        ranked_on = ("the same windows (an oracle: a bound, not a calibration)" if args.rank_on == "test" else
+                     f"{args.rank_windows} WikiText-2 *validation* windows of {args.test_len} tokens (a calibration)")
+        lines = [f"# Plan recovery with layers ranked by perplexity gain — SmolLM2-135M-Instruct, CPU reference, {date}",
+                 "", f"`python eval/oracle_recovery.py --test-windows {args.test_windows} --test-len {args.test_len} "
+                 f"--rank-on {args.rank_on}`: token perplexity on WikiText-2 *test* windows; each layer alone at int8 "
+                 f"(rest int4), ranked by its perplexity on {ranked_on}.", ""]
         lines += ["| mode | token perplexity | recovery of int4's increase |", "|---|---|---|"]
         base, worst = ppl.get("sdpa"), ppl.get("int4")
         for name, value in ppl.items():
@@ -60,16 +69,17 @@ def main(argv=None) -> int:
                 f"{100 * (worst - value) / (worst - base):.1f} %"
             lines.append(f"| {name} | {value:.4f} | {rec} |")
         if gains and worst is not None:
-            lines += ["", "Per layer, perplexity with that layer alone at int8 (rest int4), and its share of int4's "
-                      "increase recovered:", "", "| layer | ppl | recovery |", "|---|---|---|"]
+            lines += ["", "Per layer, perplexity with that layer alone at int8 (rest int4) on the ranking text, and "
+                      "(with --rank-on test) its share of int4's increase recovered:", "", "| layer | ppl | recovery |",
+                      "|---|---|---|"]
             for layer, value in sorted(gains.items()):
-                rec = f"{100 * (worst - value) / (worst - base):.1f} %" if base is not None else ""
+                rec = f"{100 * (worst - value) / (worst - base):.1f} %" if args.rank_on == "test" else ""
                 lines.append(f"| {layer} | {value:.4f} | {rec} |")
         with open(out, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
 
-    def measure(name, impl, plan):
-        value, seconds = perplexity(model, test, impl, plan)
+    def measure(name, impl, plan, text=None):
+        value, seconds = perplexity(model, test if text is None else text, impl, plan)
         print(f"{name}: {value:.4f} ({seconds:.0f} s)", flush=True)
         return value
 
@@ -78,12 +88,13 @@ def main(argv=None) -> int:
     save()
     for layer in range(layers):
         plan = QAttnPlan(default="int4", layers={layer: "int8"}, num_layers=layers).to_dict()
-        gains[layer] = measure(f"layer {layer} int8", "qattn", plan)
+        gains[layer] = measure(f"layer {layer} int8", "qattn", plan, rank_text)
         save()
     for ratio in (float(r) for r in args.ratios.split(",") if r):
         ranking = {layer: value for layer, value in gains.items()}  # lowest ppl (largest gain) first → int8
         plan = QAttnPlan.from_scores(ranking, ratio, num_layers=layers)
-        ppl[f"oracle ξ={ratio:g}"] = measure(f"oracle ξ={ratio:g}", "qattn", plan.to_dict())
+        label = f"{'oracle' if args.rank_on == 'test' else 'ppl-gain plan'} ξ={ratio:g}"
+        ppl[label] = measure(label, "qattn", plan.to_dict())
         save()
     print("wrote", out)
     return 0
