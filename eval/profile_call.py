@@ -37,6 +37,19 @@ SHAPES = [("B4 H32 N1k d128", 4, 32, 1024, 128, torch.float16), ("B4 H32 N2k d12
           ("Flux-1024-like", 1, 24, 4608, 128, torch.bfloat16)]
 
 
+def _median_ms(run, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the event-timed ``run()`` (which makes ``calls`` calls), ms a call."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def graph_ms(fn, calls: int = 20) -> float:
     """GPU milliseconds a call: a CUDA graph of ``calls`` calls, median of 7 replays."""
     stream = torch.cuda.Stream()
@@ -49,30 +62,18 @@ def graph_ms(fn, calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return _median_ms(graph.replay, calls, 7)
 
 
 def eager_ms(fn, calls: int = 30) -> float:
+    """Milliseconds a call of back-to-back eager calls, median of 5 batches."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def batch():
         for _ in range(calls):
             fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return _median_ms(batch, calls, 5)
 
 
 def host_us(fn, calls: int = 30) -> float:

@@ -12,8 +12,6 @@ Layout: images (N, C, H, W) and videos (N, F, C, H, W), float, values in [0, ``d
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -79,4 +77,4 @@ def report(reference: torch.Tensor, other: torch.Tensor, data_range: float = 1.0
     if video and reference.shape[1] >= 2:
         row["flicker"] = float(temporal_flickering(other, data_range).mean())
         row["flicker_ref"] = float(temporal_flickering(reference, data_range).mean())
-    return {key: (value if math.isfinite(value) else float("inf")) for key, value in row.items()}
+    return row

@@ -108,6 +108,15 @@ def _llama(tiny_model):
     return tiny_model("llama", head="lm", attn="qattn")
 
 
+def _compiled_without_breaks(forward, *args):
+    """forward(*args) compiled with fullgraph=True, after asserting dynamo sees no graph break."""
+    explanation = torch._dynamo.explain(forward)(*args)
+    assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
+    torch._dynamo.reset()
+    hf_qattn.reset_fallback_stats()  # explain traced too, and counts once per traced call site: count the compile only
+    return torch.compile(forward, backend="aot_eager", fullgraph=True)(*args)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_llama_compiles_without_breaks(tiny_model, fresh_stats, padded):
     model = _llama(tiny_model)
@@ -121,11 +130,7 @@ def test_llama_compiles_without_breaks(tiny_model, fresh_stats, padded):
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     with torch.no_grad():
-        explanation = torch._dynamo.explain(forward)(ids, mask)
-        assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
-        torch._dynamo.reset()
-        compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
-        got, want = compiled(ids, mask), forward(ids, mask)
+        got, want = _compiled_without_breaks(forward, ids, mask), forward(ids, mask)
     assert torch.equal(got, want)
     calls = hf_qattn.fallback_stats()["calls"]
     assert set(calls) == {"reference"} and not hf_qattn.fallback_stats()["fallbacks"]
@@ -144,12 +149,8 @@ def test_llama_float_mask_under_compile_falls_back_without_breaks(tiny_model, fr
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     with torch.no_grad():
-        explanation = torch._dynamo.explain(forward)(ids, additive)
-        assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
-        torch._dynamo.reset()
-        hf_qattn.reset_fallback_stats()
         with pytest.warns(RuntimeWarning, match="float"):
-            got = torch.compile(forward, backend="aot_eager", fullgraph=True)(ids, additive)
+            got = _compiled_without_breaks(forward, ids, additive)
         model.set_attn_implementation("sdpa")
         want = forward(ids, additive)
     torch.testing.assert_close(got, want)
