@@ -5,11 +5,15 @@
 Tiny random pipelines (no downloads; text encoders bypassed with random prompt embeddings, one
 embedding seed per "prompt"): a Flux image pipeline with a tiny VAE (32×32 pixels) and a Wan video
 pipeline with a tiny Wan VAE (9 frames of 64×64). Each prompt is generated with the same generator
-seed under SDPA (unpatched), qattn int8 and qattn int4 (``hf_qattn.patch(pipe, plan=...)``), decoded
-to pixels, and compared with the SDPA output of the same seed by ``hf_qattn.quality``: PSNR, SSIM,
+seed under SDPA (unpatched: the reference, then once more for the table's sdpa row), qattn int8 and
+qattn int4 (``hf_qattn.patch(pipe, plan=...)``), decoded to pixels, and compared with the SDPA output
+of the same seed by ``hf_qattn.pipeline_eval.run`` (the engine of ``hf-qattn eval-pipeline``): PSNR, SSIM,
 the lowest per-frame cosine, and for video VBench's temporal-flickering score (with the SDPA
 video's own beside it). Random weights make these small models far more sensitive than trained
 ones; the table shows the metrics run end to end and how far quantization moves a pipeline's pixels.
+
+The builders also make the pipelines with tiny text encoders (``tiny_flux(text_encoders=True)``,
+:func:`save_tiny`): what the ``hf-qattn eval-pipeline`` tests and its saved tiny report run on.
 """
 
 from __future__ import annotations
@@ -21,10 +25,26 @@ import os
 import torch
 
 import hf_qattn
-from hf_qattn import quality
+from hf_qattn import pipeline_eval
 
 
-def tiny_flux():
+WORDS = ["<pad>", "</s>", "<unk>"] + "a an the cat dog fox sits runs on in mat snow red blue sky".split()
+
+
+def tiny_tokenizer(max_length: int):
+    """A word-level tokenizer over :data:`WORDS` (unknown words map to <unk>), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=max_length)
+
+
+def tiny_flux(text_encoders: bool = False):
+    """A tiny Flux pipeline with a tiny VAE (32×32 pixels); with ``text_encoders`` a tiny CLIP and T5
+    and word-level tokenizers too, so that it runs on prompt text (as a saved pipeline must)."""
     import diffusers
 
     torch.manual_seed(0)
@@ -35,8 +55,18 @@ def tiny_flux():
     vae = diffusers.AutoencoderKL(block_out_channels=(8, 8), latent_channels=4, norm_num_groups=4, sample_size=16,
                                   down_block_types=("DownEncoderBlock2D",) * 2,
                                   up_block_types=("UpDecoderBlock2D",) * 2, shift_factor=0.0, scaling_factor=1.0)
-    pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
-                                  tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    encoders = dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    if text_encoders:
+        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+        clip = CLIPTextConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                              num_attention_heads=2, max_position_embeddings=77, projection_dim=32, pad_token_id=0,
+                              bos_token_id=0, eos_token_id=1)
+        t5 = T5Config(vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        encoders = dict(text_encoder=CLIPTextModel(clip), tokenizer=tiny_tokenizer(77),
+                        text_encoder_2=T5EncoderModel(t5), tokenizer_2=tiny_tokenizer(512))
+    pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                                  transformer=transformer, **encoders)
 
     def inputs(seed):
         g = torch.Generator().manual_seed(seed)
@@ -45,7 +75,9 @@ def tiny_flux():
     return pipe, inputs, "images"
 
 
-def tiny_wan():
+def tiny_wan(text_encoders: bool = False):
+    """A tiny Wan pipeline with a tiny Wan VAE (9 frames of 64×64); with ``text_encoders`` a tiny UMT5
+    and a word-level tokenizer too."""
     import diffusers
 
     torch.manual_seed(0)
@@ -55,8 +87,14 @@ def tiny_wan():
     vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                      temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
                                      latents_std=[1.0] * 4)
-    pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
-                                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    encoders = dict(tokenizer=None, text_encoder=None)
+    if text_encoders:
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        encoders = dict(tokenizer=tiny_tokenizer(512), text_encoder=UMT5EncoderModel(UMT5Config(
+            vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)))
+    pipe = diffusers.WanPipeline(vae=vae, transformer=transformer,
+                                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), **encoders)
 
     def inputs(seed):
         g = torch.Generator().manual_seed(seed)
@@ -66,9 +104,18 @@ def tiny_wan():
     return pipe, inputs, "frames"
 
 
-def generate(pipe, kwargs, field: str, steps: int, seed: int) -> torch.Tensor:
-    out = pipe(**kwargs, num_inference_steps=steps, output_type="pt", generator=torch.Generator().manual_seed(seed))
-    return getattr(out, field).float().cpu()
+# what `hf-qattn eval-pipeline` needs to run the saved tiny pipelines quickly: their sizes, and 16
+# text tokens instead of the 512 both pipelines pad prompts to by default
+TINY_CLI_ARGS = {"flux": ["--height", "32", "--width", "32", "--pipeline-arg", "max_sequence_length=16"],
+                 "wan": ["--height", "64", "--width", "64", "--num-frames", "9", "--guidance-scale", "5.0",
+                         "--pipeline-arg", "max_sequence_length=16"]}
+
+
+def save_tiny(name: str, directory) -> str:
+    """Save the tiny ``"flux"`` (image) or ``"wan"`` (video) pipeline, text encoders included, to ``directory``."""
+    pipe, _, _ = {"flux": tiny_flux, "wan": tiny_wan}[name](text_encoders=True)
+    pipe.save_pretrained(str(directory))
+    return str(directory)
 
 
 def main():
@@ -81,23 +128,21 @@ def main():
     for name, build in (("flux (image)", tiny_flux), ("wan (video)", tiny_wan)):
         pipe, inputs, field = build()
         pipe.set_progress_bar_config(disable=True)
-        for prompt in range(args.prompts):
-            kwargs = inputs(prompt)
-            with torch.no_grad():
-                reference = generate(pipe, kwargs, field, args.steps, seed=prompt)
-                for mode in ("sdpa", "int8", "int4"):
-                    hf_qattn.reset_fallback_stats()
-                    if mode == "sdpa":
-                        out = generate(pipe, kwargs, field, args.steps, seed=prompt)
-                    else:
-                        with hf_qattn.patch(pipe, plan=mode):
-                            out = generate(pipe, kwargs, field, args.steps, seed=prompt)
-                    calls = hf_qattn.fallback_stats()
-                    row = {"pipeline": name, "prompt": prompt, "mode": mode, "shape": "×".join(map(str, out.shape[1:])),
-                           **quality.report(reference, out), "calls": sum(calls["calls"].values()),
-                           "fallbacks": sum(calls["fallbacks"].values())}
-                    rows.append(row)
-                    print(row, flush=True)
+        calls = [pipeline_eval.Call(name=str(prompt), index=0, seed=prompt, kwargs=inputs(prompt))
+                 for prompt in range(args.prompts)]
+        # the reference, then SDPA again (its row: run-to-run agreement, inf when deterministic), int8, int4
+        result = pipeline_eval.run(pipe, calls, ("sdpa", "sdpa", "int8", "int4"), steps=args.steps,
+                                   kind="video" if field == "frames" else "image", progress=False)
+        flicker_ref = {row["prompt"]: row.get("temporal_flickering") for row in result.rows if row["mode"] == "sdpa"}
+        for row in result.rows:
+            if row["mode"] == "sdpa":
+                continue
+            rows.append({"pipeline": name, "prompt": int(row["prompt"]), "mode": row["mode"].replace("#2", ""),
+                         "shape": "×".join(map(str, result.shape)), "psnr": row["psnr"], "ssim": row.get("ssim"),
+                         "cos_min": row["frame_cosine"], "flicker": row.get("temporal_flickering"),
+                         "flicker_ref": flicker_ref[row["prompt"]], "calls": row["calls"],
+                         "fallbacks": row["fallbacks"]})
+            print(rows[-1], flush=True)
     keys = ["pipeline", "prompt", "mode", "shape", "psnr", "ssim", "cos_min", "flicker", "flicker_ref", "calls",
             "fallbacks"]
 

@@ -7,7 +7,9 @@ Layout: images (N, C, H, W) and videos (N, F, C, H, W), float, values in [0, ``d
   (Wang et al. 2004, the constants K1 = 0.01, K2 = 0.03);
 - :func:`frame_cosine` — cosine similarity of each frame, flattened;
 - :func:`temporal_flickering` — VBench's weight-free dimension: 1 − mean |frame t+1 − frame t| / 255
-  on 8-bit frames, per video (1 = no change between frames).
+  on 8-bit frames, per video (1 = no change between frames);
+- :func:`sample_metrics` — all of these per sample (what ``hf-qattn eval-pipeline`` reports), frames
+  taken a few at a time so that long high-resolution videos fit in memory; :func:`report` — their means.
 """
 
 from __future__ import annotations
@@ -65,16 +67,47 @@ def temporal_flickering(video: torch.Tensor, data_range: float = 1.0) -> torch.T
     return 1 - change / 255
 
 
-def report(reference: torch.Tensor, other: torch.Tensor, data_range: float = 1.0) -> dict[str, float]:
-    """Means over samples of every metric that applies to the layout (videos: SSIM over all frames)."""
+SAMPLE_METRICS = ("psnr", "ssim", "frame_cosine", "temporal_flickering")
+_FRAME_CHUNK = 16  # frames per step of sample_metrics: bounds the float64 copies SSIM makes
+
+
+def sample_metrics(reference: torch.Tensor, other: torch.Tensor, data_range: float = 1.0) -> dict[str, torch.Tensor]:
+    """Per-sample metrics of ``other`` against ``reference`` (one shape: (N, C, H, W) or (N, F, C, H, W)),
+    each a float64 tensor of N values, higher is better for all:
+
+    - ``psnr``: mean over frames of each frame's PSNR (inf when identical);
+    - ``ssim``: mean over frames of each frame's SSIM (left out below 11×11 pixels);
+    - ``frame_cosine``: the lowest cosine similarity of a frame (an image is one frame);
+    - ``temporal_flickering``: VBench's score of ``other`` itself (videos of ≥ 2 frames only).
+    """
+    if reference.shape != other.shape or reference.dim() not in (4, 5):
+        raise ValueError("sample_metrics takes two images (N, C, H, W) or videos (N, F, C, H, W) of one shape; got "
+                         f"{tuple(reference.shape)}, {tuple(other.shape)}")
     video = reference.dim() == 5
-    frames_ref = reference.flatten(0, 1) if video else reference
-    frames_out = other.flatten(0, 1) if video else other
-    row = {"psnr": float(psnr(frames_ref, frames_out, data_range).mean()),
-           "cos_min": float(frame_cosine(reference, other).min())}
-    if min(frames_ref.shape[-2:]) >= 11:
-        row["ssim"] = float(ssim(frames_ref, frames_out, data_range).mean())
-    if video and reference.shape[1] >= 2:
-        row["flicker"] = float(temporal_flickering(other, data_range).mean())
+    ref = reference if video else reference[:, None]
+    out = other if video else other[:, None]
+    with_ssim = min(ref.shape[-2:]) >= 11
+    rows = []
+    for a, b in zip(ref, out):  # one sample: (F, C, H, W)
+        chunks = [(a[i:i + _FRAME_CHUNK], b[i:i + _FRAME_CHUNK]) for i in range(0, a.shape[0], _FRAME_CHUNK)]
+        row = {"psnr": torch.cat([psnr(x, y, data_range) for x, y in chunks]).mean(),
+               "frame_cosine": torch.cat([frame_cosine(x[None], y[None])[0] for x, y in chunks]).min()}
+        if with_ssim:
+            row["ssim"] = torch.cat([ssim(x, y, data_range) for x, y in chunks]).mean()
+        if video and a.shape[0] >= 2:
+            row["temporal_flickering"] = temporal_flickering(b[None], data_range)[0]
+        rows.append(row)
+    return {key: torch.stack([row[key] for row in rows]) for key in SAMPLE_METRICS if key in rows[0]}
+
+
+def report(reference: torch.Tensor, other: torch.Tensor, data_range: float = 1.0) -> dict[str, float]:
+    """Means over samples of every metric that applies to the layout (videos: SSIM over all frames);
+    ``cos_min`` is the lowest frame cosine of all, ``flicker_ref`` the reference's flickering score."""
+    metrics = sample_metrics(reference, other, data_range)
+    row = {"psnr": float(metrics["psnr"].mean()), "cos_min": float(metrics["frame_cosine"].min())}
+    if "ssim" in metrics:
+        row["ssim"] = float(metrics["ssim"].mean())
+    if "temporal_flickering" in metrics:
+        row["flicker"] = float(metrics["temporal_flickering"].mean())
         row["flicker_ref"] = float(temporal_flickering(reference, data_range).mean())
     return row
