@@ -5,6 +5,7 @@
     hf-qattn demo [--out DIR] [--model DIR]                                                      (demo.py)
     hf-qattn eval-lm MODEL_DIR --tasks T --modes sdpa,int8,int4,plan --out OUT_DIR                (eval_lm.py)
     hf-qattn eval-attention MODEL_DIR --text FILE --out OUT_DIR                                  (eval_attention.py)
+    hf-qattn eval-pipeline PIPELINE_DIR --prompts FILE --modes sdpa,int8,int4,plan --out OUT_DIR  (eval_pipeline.py)
 
 Argument types and :class:`CLIError` are in :mod:`.args`. A subcommand is a function that adds its
 parser and sets ``func`` (the function that runs it, taking the parsed arguments and returning an
@@ -25,11 +26,12 @@ from .common import format_table, save_plot, score_rows  # noqa: F401
 from .demo import DEMO_PACKAGE, DEMO_PIP_NAME, _add_demo, demo_model_dir, run_demo, sample_sentences, sentence_embeddings  # noqa: F401,E501
 from .eval_attention import add_eval_attention_parser
 from .eval_lm import add_eval_lm_parser
+from .eval_pipeline import add_eval_pipeline_parser
 
 __all__ = ["CLIError", "command", "main"]
 
 COMMANDS: list = [_add_calibrate, _add_demo, add_calibrate_pipeline_parser, add_eval_lm_parser,
-                  add_eval_attention_parser]
+                  add_eval_attention_parser, add_eval_pipeline_parser]
 
 
 def command(add_parser):
