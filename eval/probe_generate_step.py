@@ -1,10 +1,12 @@
-"""Why is one SDPA decode step of bench_decode's 8-layer model ~60 ms? Times steps two ways and profiles.
+"""Where does one decode step of bench_decode's 8-layer model spend its time? Times steps and profiles.
 
-    bash eval/device_run.sh python3 eval/probe_generate_step.py [PROMPT [MODES]]    e.g. 16384 qattn,sdpa
+    bash eval/device_run.sh python3 eval/probe_generate_step.py [PROMPT [MODES [cprofile]]]   e.g. 16384 qattn,flash
 
-For SDPA + DynamicCache and qattn + QAttnCache (int8): prefill a 4k prompt, then 24 greedy steps, each
-timed by CUDA events (what bench_decode reports) and by the host clock around a synchronised step;
-then torch.profiler over 3 steps, printing the ops with the most host (self CPU) and GPU time.
+Modes: ``sdpa`` (cuDNN) and ``flash`` (SDPA's flash backend) + DynamicCache, ``qattn`` + QAttnCache (int8).
+Prefill a prompt, then 24 greedy steps, each timed by CUDA events (what bench_decode reports) and by the
+host clock around a synchronised step, and 24 steps unsynchronised (the host's issue rate); then
+torch.profiler over 3 steps, printing the ops with the most host (self CPU) and GPU time; with
+``cprofile``, also the Python functions with the most host time over 8 steps.
 """
 
 from __future__ import annotations
@@ -29,39 +31,71 @@ def build():
 
 
 @torch.no_grad()
-def probe(model, mode: str, prompt: int = 4096):
-    if mode == "sdpa":
-        model.set_attn_implementation("sdpa")
-        cache = tf.DynamicCache(config=model.config)
-    else:
+def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = contextlib.nullcontext()
+    if mode == "qattn":
         model.set_attn_implementation("qattn")
         cache = hf_qattn.QAttnCache(model, plan="int8")
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
-    events, hosts = [], []
-    for step in range(24):
+    else:
+        model.set_attn_implementation("sdpa")
+        cache = tf.DynamicCache(config=model.config)
+        if mode == "flash":
+            backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    with backends:
+        ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+
+        def step():
+            nonlocal token
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+        events, hosts = [], []
+        for i in range(24):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            if i >= 8:
+                events.append(start.elapsed_time(end))
+                hosts.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = model(token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-        end.record()
-        end.synchronize()
-        if step >= 8:
-            events.append(start.elapsed_time(end))
-            hosts.append((time.perf_counter() - t0) * 1e3)
-    print(f"== {mode}: event ms/step {statistics.median(events):.2f}, synchronised wall ms/step "
-          f"{statistics.median(hosts):.2f}", flush=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            out = model(token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
+        for _ in range(24):
+            step()
+        issue = (time.perf_counter() - t0) * 1e3 / 24
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+        free_run = (time.perf_counter() - t0) * 1e3 / 24
+        print(f"== {mode} L={prompt}: event ms/step {statistics.median(events):.2f}, synchronised wall ms/step "
+              f"{statistics.median(hosts):.2f}, unsynchronised: host issue {issue:.2f} ms/step, "
+              f"wall {free_run:.2f} ms/step", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+        if cprofile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(8):
+                step()
+            torch.cuda.synchronize()
+            profiler.disable()
+            stats = pstats.Stats(profiler).strip_dirs()
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
 
 
 def main():
@@ -69,9 +103,10 @@ def main():
 
     prompt = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["sdpa", "qattn", "sdpa"]  # sdpa twice: first-run effects
+    cprofile = len(sys.argv) > 3 and sys.argv[3] == "cprofile"
     model = build()
     for mode in modes:
-        probe(model, mode, prompt)
+        probe(model, mode, prompt, cprofile)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from . import tuning
+from .fast_launch import fast
 from .decode import append_kernel, combine_kernel, decode_kernel
 
 LOG2E = 1.4426950408889634
@@ -31,7 +32,7 @@ def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int, *, int4: bool) -> None
     if n == 0:
         return
     block_t = 16 if tuning.interpreting() else (32 if n > 16 else 16)  # one token (decoding): a smaller tile
-    append_kernel[(triton.cdiv(n, block_t), b * hk)](
+    fast(append_kernel)[(triton.cdiv(n, block_t), b * hk)](
         k, v, k_bar, v_bar, kq, ks, vq, vs, pos0,
         *k.stride(), *v.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3],
         hk, n,
@@ -152,7 +153,7 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     else:
         part_o = part_m = part_l = counter = None
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    decode_kernel[(cfg["chunks"], b * hk, splits)](
+    fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),
         hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
@@ -162,7 +163,7 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
         num_warps=num_warps, **extra,
     )
     if split and not fused_combine:
-        combine_kernel[(b * hq * nq,)](
+        fast(combine_kernel)[(b * hq * nq,)](
             part_o, part_m, part_l, v_bar, out, *out.stride(), hq, nq, splits,
             GROUPS=groups, HEAD_DIM=d, D_PAD=d_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
             num_warps=4 if d_pad >= 128 else 2,

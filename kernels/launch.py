@@ -23,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hf_qattn.quant import INT_MAX, P_SCALE
 
 from . import tuning
+from .fast_launch import fast
 from .attention import attention_kernel
 from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel
 
@@ -42,7 +43,7 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, r
     sample = tuning.center_sample()
     centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
     v_tiles = math.ceil(nk / block_n) if v_range is not None else 0
-    centers_kernel[(b * hq + 2 * b * hk + b * hk * v_tiles,)](
+    fast(centers_kernel)[(b * hq + 2 * b * hk + b * hk * v_tiles,)](
         q, k, v, centers, v_range, *q.stride(), *k.stride(), *v.stride(),
         hq, hk, b * hq, b * hk, nq, nk, math.ceil(nq / sample) if nq > sample else 1,
         math.ceil(nk / sample) if nk > sample else 1, v_tiles,
@@ -92,7 +93,7 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
     ds = torch.empty(b * hq, nk_pad, device=device, dtype=torch.float32)
     has_range = kv_start is not None or kv_end is not None
     num_warps = num_warps or tuning.quantize_num_warps(block_n, d)
-    quantize_kv_kernel[(tiles, b * hk)](
+    fast(quantize_kv_kernel)[(tiles, b * hk)](
         k, v, k_bar, v_bar, q_bar, kv_start, kv_end, kq, ks, vq, vs, ds,
         *k.stride(), *v.stride(),
         hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
@@ -111,7 +112,7 @@ def delta_scores(k, k_bar, q_bar, ds, *, hq: int, sm_scale: float, kv_start, kv_
     """ΔS = q̄·(K − k̄)ᵀ·sm_scale·log2 e into ``ds`` (B·Hq, NK_PAD), −inf outside the key ranges."""
     b, hk, nk, d = k.shape
     nk_pad = ds.shape[1]
-    delta_scores_kernel[(math.ceil(nk / block_n), b * hk)](
+    fast(delta_scores_kernel)[(math.ceil(nk / block_n), b * hk)](
         k, k_bar, q_bar, kv_start, kv_end, ds, *k.stride(), hk, hq // hk, nk, nk_pad, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_N=block_n,
         HAS_KV_RANGE=kv_start is not None or kv_end is not None, num_warps=num_warps,
@@ -162,7 +163,7 @@ def triton_attention(
     kq_desc = TensorDescriptor.from_tensor(kv.kq, [block_n, d_pad])
     vq_desc = TensorDescriptor.from_tensor(kv.vq, [d_pad, block_n])
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None
-    attention_kernel[(triton.cdiv(nq, block_m), b * hq)](
+    fast(attention_kernel)[(triton.cdiv(nq, block_m), b * hq)](
         q, kq_desc, kv.ks, vq_desc, kv.vs, kv.ds, kv.q_bar, kv.k_bar, kv.v_bar, kv_start, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E,
@@ -222,7 +223,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
     items = triton.cdiv(nq, 128) * b * hq  # work items: 128 query rows of one batch·query-head
     grid = min(items, _sm_count(q.device) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
-    hopper_kernel[(grid,)](
+    fast(hopper_kernel)[(grid,)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, sm_scale * LOG2E, sm_scale,

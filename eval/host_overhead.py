@@ -1,0 +1,139 @@
+"""What the host spends to issue one qattn call, piece by piece (H100; the GPU held busy, so only issue time).
+
+    bash eval/device_run.sh bash -c 'cd eval && python3 host_overhead.py --out $OUT'
+
+Prints µs per operation: a qattn call (B1 H32 N1k d128 fp16) and its pieces — the three launches
+through Triton's JIT path, the same launches with their arguments already bound (the compiled
+kernel's ``run``, which is what remains when binding and the cache lookup are skipped), Triton's
+binder alone, a TMA descriptor built on the host and encoded, a ``torch.empty`` — and a decode step's
+two launches (append, decode). Every figure is a median of 5 × 30 issues while a sleep kernel keeps
+the GPU busy (``profile_call.host_us``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+import torch
+
+import hf_qattn
+from hf_qattn.kernels import decode_launch, launch, tuning
+from profile_call import host_us
+
+
+def bound_launch(jit_fn, grid, args, kwargs):
+    """A closure that launches ``jit_fn`` with ``args`` already bound: what Triton's run does after its
+    binder and cache lookup (the compiled kernel's launcher, on the current stream)."""
+    import triton
+    from triton.runtime import driver
+
+    kernel = jit_fn[grid](*args, **kwargs)
+    device = driver.active.get_current_device()
+    _, _, _, _, binder = jit_fn.device_caches[device]
+    bound, _, _ = binder(*args, **kwargs)
+    values = list(bound.values())
+    g = tuple(grid) + (1,) * (3 - len(grid))
+
+    def run():
+        stream = driver.active.get_current_stream(device)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None,
+                   triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook, *values)
+    return run, (lambda: binder(*args, **kwargs))
+
+
+def capture_launches(fn):
+    """Run ``fn`` once, recording every JIT launch it makes as (jit function, grid, args, kwargs)."""
+    from triton.runtime.jit import JITFunction
+
+    seen = []
+    original = JITFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            seen.append((self, grid, args, dict(kwargs)))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    JITFunction.run = spy
+    try:
+        fn()
+    finally:
+        JITFunction.run = original
+    return seen
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    q, k, v = (torch.randn(1, 32, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    call = lambda: hf_qattn.qattn(q, k, v)  # noqa: E731
+    rows.append(("qattn B1 H32 N1k d128 (whole call)", host_us(call)))
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    rows.append(("SDPA same shape (whole call)", host_us(sdpa)))
+    for jit_fn, grid, a, kw in capture_launches(call):
+        name = getattr(jit_fn, "__name__", None) or getattr(jit_fn, "fn", jit_fn).__name__
+        kw = {key: value for key, value in kw.items() if key not in ("debug", "instrumentation_mode")}
+        rows.append((f"{name}: JIT launch", host_us(lambda: jit_fn[grid](*a, **kw))))
+        try:
+            bound, binder = bound_launch(jit_fn, grid, a, kw)
+            rows.append((f"{name}: bound launch (compiled kernel's run)", host_us(bound)))
+            rows.append((f"{name}: binder alone", host_us(binder)))
+        except Exception as error:  # noqa: BLE001 - a probe: report, go on
+            rows.append((f"{name}: bound launch failed: {type(error).__name__}: {error}"[:150], float("nan")))
+    from hf_qattn.kernels.hopper.gluon_api import TensorDescriptor as GluonDescriptor
+
+    buf = torch.empty(32 * 1024, 128, device="cuda", dtype=torch.int8)
+    layout = launch._hopper_layouts(128, 128)[0]
+    rows.append(("Gluon TensorDescriptor.from_tensor", host_us(lambda: GluonDescriptor.from_tensor(buf, [128, 128], layout))))
+    rows.append(("torch.empty (4 MiB)", host_us(lambda: torch.empty(32 * 1024, 128, device="cuda", dtype=torch.int8))))
+    rows.append(("torch.full (small)", host_us(lambda: torch.full((128, 2, 128), float("-inf"), device="cuda"))))
+
+    # a decode step's two launches, B1 Hq32 Hk8 L4k
+    kc, vc = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cache = hf_qattn.QAttnCache(_Config(), plan="int8")
+    cache.update(kc, vc, 0)
+    layer = cache.layers[0]
+    k1, v1 = (torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q1 = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    rows.append(("decode: append one token (JIT launch)", host_us(
+        lambda: decode_launch.append(k1, v1, layer.k_bar, layer.v_bar, layer.kq, layer.ks, layer.vq, layer.vs, 4095,
+                                     int4=False))))
+    rows.append(("decode: attention step (JIT launch)", host_us(
+        lambda: decode_launch.decode(q1, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, 4096, int4=False))))
+    for jit_fn, grid, a, kw in capture_launches(
+            lambda: decode_launch.decode(q1, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, 4096, int4=False)):
+        kw = {key: value for key, value in kw.items() if key not in ("debug", "instrumentation_mode")}
+        bound, binder = bound_launch(jit_fn, grid, a, kw)
+        rows.append(("decode: attention step, bound launch", host_us(bound)))
+        rows.append(("decode: attention step, binder alone", host_us(binder)))
+
+    import triton
+
+    text = [f"# Host time to issue a qattn call, by piece — {torch.cuda.get_device_name()}, {datetime.date.today()}",
+            "", f"torch {torch.__version__}, triton {triton.__version__}; µs per issue, GPU held busy "
+            "(median of 5 × 30). Command: `python3 eval/host_overhead.py`", "", "| what | host µs |", "|---|---|"]
+    text += [f"| {name} | {us:.1f} |" for name, us in rows]
+    report = "\n".join(text) + "\n"
+    print(report)
+    if args.out:
+        name = f"host-overhead-{torch.cuda.get_device_name().replace(' ', '-')}-{datetime.date.today()}.md"
+        with open(os.path.join(args.out, name), "w") as f:
+            f.write(report)
+
+
+class _Config:
+    """A one-layer Llama-like config for the cache (Hk 8, d128)."""
+
+    def __init__(self):
+        import transformers as tf
+
+        self.config = tf.LlamaConfig(num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                                     hidden_size=4096, head_dim=128)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Launch a compiled Triton/Gluon kernel with a fraction of ``kernel[grid](...)``'s host time.
+
+Why: on the H100's host, Triton 3.6's JIT launch costs 36 / 40 / 82 µs for the centers, K/V and
+Hopper attention kernels of one qattn call, of which the compiled kernel's own launcher needs
+10 / 13 / 28 µs (``eval/results/host-overhead-*.md``); the rest is binding the arguments, building
+the cache key and looking the kernel up. A qattn call is three launches, a decode step two per
+layer, so at short sequences the host, not the GPU, sets the pace.
+
+How: the first launch for a *specialization key* goes through Triton (it compiles if needed) and
+the compiled kernel is kept under that key; later launches with the same key call its launcher
+directly. The key holds everything Triton specializes a kernel on, computed from the arguments:
+for an int whether it is 1, divisible by 16, or needs 64 bits; for a tensor its dtype and whether
+its address is 16-byte aligned; for a TMA descriptor its type, dtype, block shape and layout;
+``None`` / bool / float by type and (bools, constexprs) value; plus the keyword arguments
+(constexprs and launch options) as given.
+
+Only for triton versions this was checked against on a GPU (:data:`VALIDATED`; the device check
+``eval/check_device.py`` compares both paths bit for bit and asserts Triton's binder agrees with
+the key); anything else, the interpreter, and launches with Triton's profiling hooks set go
+through ``kernel[grid](...)`` unchanged. ``HF_QATTN_FAST_LAUNCH=0`` turns it off;
+``HF_QATTN_FAST_LAUNCH=check`` also runs Triton's binder on every launch and raises if its
+specialization differs from the one the key stood for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import triton
+
+from . import tuning
+
+VALIDATED = ("3.6.",)
+_I32_MAX = 2 ** 31 - 1
+
+
+def _mode() -> str:
+    return os.environ.get("HF_QATTN_FAST_LAUNCH", "1")
+
+
+def enabled() -> bool:
+    return (_mode() != "0" and triton.__version__.startswith(VALIDATED) and not tuning.interpreting())
+
+
+def _arg_key(value):
+    """What Triton's specialization can depend on for one argument."""
+    if value is None:
+        return None
+    if isinstance(value, bool):  # an i1 argument, not an int (and True == 1 in a dict key)
+        return bool, value
+    if isinstance(value, int):
+        return (value == 1) | ((value % 16 == 0) << 1) | ((not -_I32_MAX - 1 <= value <= _I32_MAX) << 2)
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, float):
+        return float
+    block_shape = getattr(value, "block_shape", None)
+    if block_shape is not None:  # a TMA descriptor (triton.tools or Gluon)
+        return type(value), value.base.dtype, tuple(block_shape), getattr(value, "layout", None)
+    return value  # constexpr-like values: hashable, compared by value
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps a ``HookChain`` there, empty unless a profiler adds one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class FastLauncher:
+    """``FastLauncher(jit_fn)[grid](*args, **kwargs)`` launches like ``jit_fn[grid](*args, **kwargs)``."""
+
+    def __init__(self, jit_fn):
+        self.jit_fn = jit_fn
+        self.kernels: dict = {}
+        self._names = None
+        self._defaults = None
+        self.direct = 0  # launches that skipped Triton's path (the device check asserts there are some)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _params(self, args, kwargs) -> list:
+        """Every parameter's value in signature order (constexprs included: the launcher skips them)."""
+        if self._names is None:
+            signature = inspect.signature(self.jit_fn.fn)
+            self._names = list(signature.parameters)
+            self._defaults = {name: p.default for name, p in signature.parameters.items()}
+        rest = self._names[len(args):]
+        return [*args, *(kwargs[name] if name in kwargs else self._defaults[name] for name in rest)]
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        from triton import knobs
+
+        if not enabled() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            return self.jit_fn[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            kernel = self.jit_fn[grid](*args, **kwargs)
+            if hasattr(kernel, "result"):  # Triton's asynchronous compile mode
+                kernel = kernel.result()
+            self.kernels[key] = (kernel, self._specialization(device, args, kwargs))
+            return kernel
+        kernel, specialization = kernel
+        if _mode() == "check" and self._specialization(device, args, kwargs) != specialization:
+            raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: the key missed a specialization change")
+        self.direct += 1
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launch asks
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *self._params(args, kwargs))
+        return kernel
+
+    def _specialization(self, device, args, kwargs):
+        """Triton's own specialization of this launch (for ``check`` mode), or None when not checking."""
+        if _mode() != "check":
+            return None
+        binder = self.jit_fn.device_caches[device][4]
+        options = {k: v for k, v in kwargs.items()}
+        options.setdefault("debug", False)
+        _, specialization, _ = binder(*args, **options)
+        return repr(specialization)
+
+
+_LAUNCHERS: dict = {}
+
+
+def fast(jit_fn) -> FastLauncher:
+    """The launcher of ``jit_fn`` (one per kernel, so its compiled kernels are shared by every caller)."""
+    launcher = _LAUNCHERS.get(id(jit_fn))
+    if launcher is None or launcher.jit_fn is not jit_fn:
+        launcher = _LAUNCHERS[id(jit_fn)] = FastLauncher(jit_fn)
+    return launcher
+
+
+def direct_launches() -> int:
+    """Launches so far that went straight to a compiled kernel's launcher."""
+    return sum(launcher.direct for launcher in _LAUNCHERS.values())
