@@ -276,3 +276,27 @@ def test_mp4_files_with_imageio(tmp_path):
     name = pipeline_eval.save_sample(tmp_path, pipeline_eval.vbench_stem("a cat", 0), video, "video", fps=8)
     assert name == "a cat-0.mp4"
     assert imageio.v3.imread(tmp_path / name).shape == (9, 32, 48, 3)
+
+
+def test_report_lists_vbench_scores_failures_and_skips():
+    from hf_qattn.cli.eval_pipeline import markdown
+
+    labels = ["sdpa", "int8"]
+    summary = {"sdpa": {"psnr": {"mean": math.inf, "worst": math.inf}},
+               "int8": {"psnr": {"mean": 61.25, "worst": 58.5}}}
+    record = {"model": {"path": "/x/tiny-wan", "pipeline": "WanPipeline"}, "kind": "video", "modes": labels,
+              "summary": summary, "date": "d", "device": "cpu", "dtype": "float32", "seed": 0, "steps": 2,
+              "prompts": ["a cat"], "samples_per_prompt": 1, "versions": {"torch": "2"}, "command": "hf-qattn ...",
+              "calls": {label: {"calls": {}, "fallbacks": {}} for label in labels}, "plan": {}, "out": "o",
+              "files_note": "mp4", "rows": [],
+              "vbench": {"commands": [], "dimensions": {
+                  "temporal_flickering": {"status": "ran", "scores": {"sdpa": 0.97, "int8": 0.96}, "failed": {}},
+                  "dynamic_degree": {"status": "ran", "scores": {"sdpa": 0.5}, "failed": {"int8": "OSError: x"}},
+                  "subject_consistency": {"status": "skipped", "reason": "weights missing: w"},
+                  "imaging_quality": {"status": "skipped", "reason": "weights missing: w"}}}}
+    text = markdown(record)
+    assert "| mode | psnr mean | psnr worst | calls | fallbacks |" in text
+    assert "| int8 | 61.25 | 58.50 | 0 | 0 |" in text
+    assert "| temporal_flickering | ran | 0.970000 | 0.960000 |" in text
+    assert "| dynamic_degree | failed: int8: OSError: x | 0.500000 | - |" in text
+    assert "- skipped subject_consistency, imaging_quality: weights missing: w" in text

@@ -255,8 +255,8 @@ def command_line(args) -> str:
 # -- the report -----------------------------------------------------------------------------------
 
 def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4f}"
+    if isinstance(value, float):  # dB to 2 decimals; scores near 1 (SSIM, cosine) to 6, where int8 and int4 differ
+        return f"{value:.2f}" if abs(value) >= 10 else f"{value:.6f}"
     return "-" if value is None else str(value).replace("|", "\\|")
 
 
@@ -311,18 +311,22 @@ def markdown(record: dict) -> str:
     if not vbench["dimensions"]:
         lines.append("No dimensions asked for (`--vbench-dimensions none`).")
     else:
-        vrows = []
-        for dimension, entry in vbench["dimensions"].items():
-            if entry["status"] == "skipped":
-                vrows.append([dimension, "skipped: " + entry["reason"]] + ["-"] * len(labels))
-            else:
+        ran = {d: entry for d, entry in vbench["dimensions"].items() if entry["status"] != "skipped"}
+        if ran:
+            vrows = []
+            for dimension, entry in ran.items():
                 status = "ran" if not entry.get("failed") else "failed: " + "; ".join(
                     f"{label}: {reason}" for label, reason in entry["failed"].items())
                 vrows.append([dimension, status] + [entry["scores"].get(label) for label in labels])
-        lines += _table(["dimension", "status"] + labels, vrows)
+            lines += _table(["dimension", "status"] + labels, vrows) + [""]
+        by_reason: dict[str, list[str]] = {}
+        for dimension, entry in vbench["dimensions"].items():
+            if entry["status"] == "skipped":
+                by_reason.setdefault(entry["reason"], []).append(dimension)
+        lines += [f"- skipped {', '.join(dimensions)}: {reason}" for reason, dimensions in by_reason.items()]
         if vbench.get("commands"):
-            lines += ["", "To score the skipped dimensions where VBench and its weights are installed, per mode "
-                          "folder and dimension, e.g.:", "", "```"] + vbench["commands"] + ["```"]
+            lines += ["", "To score the skipped dimensions where VBench and its weights are installed, run per mode "
+                          "folder and dimension, e.g. for the first mode:", "", "```"] + vbench["commands"] + ["```"]
     lines += ["", "## Per prompt", ""]
     present = [m for m in metrics if any(m in row for row in record["rows"])]
     lines += _table(["prompt", "index", "seed", "mode"] + present + ["file"],
