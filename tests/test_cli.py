@@ -121,3 +121,28 @@ def test_sample_text_is_shipped_with_its_license():
     text = resources.files("hf_qattn").joinpath("data", "sample.txt").read_text(encoding="utf-8")
     assert "CC BY-SA 3.0" in text and "WikiText" in text
     assert len(cli.sample_sentences()) >= 24
+
+
+@needs_minilm
+def test_calibrate_command_ppl_gain_on_a_causal_lm(tiny_model, tmp_path, text_file, capsys):
+    from transformers import AutoTokenizer
+
+    from hf_qattn.integrations.transformers.calibration import PPL_GAIN_METRIC
+
+    tokenizer = AutoTokenizer.from_pretrained(cli.demo_model_dir())
+    model_dir, out = tmp_path / "model", tmp_path / "out"
+    tiny_model("llama", head="lm", vocab_size=tokenizer.vocab_size, num_hidden_layers=3).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    status = cli.main(["calibrate", str(model_dir), "--ratio", "0.34", "--text", str(text_file), "--out", str(out),
+                       "--objective", "ppl-gain", "--batch-size", "4", "--no-progress"])
+    assert status == 0
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["objective"] == "ppl-gain" and scores["metric"] == PPL_GAIN_METRIC
+    assert scores["forwards"] == 2 * (3 + 2)  # 6 lines in batches of 4: 2 batches of L + 2 forwards
+    assert all(entry["count"] == 6 and entry["nll_int4"] > 0 for entry in scores["layers"].values())
+    config = json.loads((out / "config.json").read_text())
+    assert QAttnPlan.from_dict(config[PLAN_CONFIG_KEY], num_layers=3).count()["int8"] == 1
+    printed = capsys.readouterr().out
+    assert "ppl-gain: per layer, how much the next-token NLL" in printed
+    assert re.search(r"next-token NLL on the text: \d+\.\d{4} all int4, \d+\.\d{4} full precision", printed)
+    assert not (out / "scores.png").exists()

@@ -75,10 +75,21 @@ def run_calibrate(args) -> int:
         print(f"{SCORE_MEANING}; mean and worst over the inputs:")
     else:
         plot = None  # the score plot's axis is made for scores near 1
-        print(f"logit-kl: per layer, KL (nats per token) of the final next-token distribution with that layer "
-              f"alone at int4 from full precision; higher is more harmed; the highest are marked int8 "
+        meaning = {
+            "logit-kl": "KL (nats per token) of the final next-token distribution with that layer alone at int4 "
+                        "from full precision; higher is more harmed",
+            "logit-kl-gain": "how much the KL (nats per token) of the all-int4 model's next-token distribution from "
+                             "full precision drops when that layer alone is int8; higher gains more",
+            "ppl-gain": "how much the next-token NLL (nats per token) of the text drops when that layer alone is "
+                        "int8 and all others int4; higher gains more",
+        }[args.objective]
+        print(f"{args.objective}: per layer, {meaning}; the highest are marked int8 "
               f"({result.forwards} forwards, {result.seconds:.1f} s); mean and worst over the inputs:")
     print(format_table(["layer", "mean", "worst", "inputs", "plan"], score_rows(result)))
+    if args.objective == "ppl-gain" and result.scores:
+        first = next(iter(result.scores.values()))
+        print(f"next-token NLL on the text: {first.nll_int4:.4f} all int4, {first.nll_full:.4f} full precision "
+              f"({first.tokens} tokens)")
     counts = result.plan.count()
     print(f"\nplan: {counts['int8']} layer(s) int8, {counts['int4']} int4 (ratio {args.ratio}); "
           f"written to {out / 'config.json'} under 'qattn_plan'")

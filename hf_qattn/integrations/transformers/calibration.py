@@ -1,6 +1,6 @@
 """Calibration: rank the layers by how much their 4-bit attention hurts, mark the worst ``ratio`` 8-bit.
 
-Two objectives (:data:`OBJECTIVES`, ``calibrate(..., objective=...)``), one plan format:
+The objectives (:data:`OBJECTIVES`, ``calibrate(..., objective=...)``), one plan format:
 
 - ``"attention"`` (default; SageAttn-mix, the paper's score), described below: one forward per input.
 - ``"logit-kl"`` (end to end): per layer, the KL divergence of the model's final next-token
@@ -11,6 +11,14 @@ Two objectives (:data:`OBJECTIVES`, ``calibrate(..., objective=...)``), one plan
 - ``"logit-kl-gain"`` (end to end, in the setting a plan runs in): per layer, how much that KL (now of
   the all-int4 model) drops when that layer alone is promoted to int8; the largest gains become
   ``"int8"``. Cost: (L + 2) forwards per input batch, most layers int4 in each (slow on a CPU).
+- ``"ppl-gain"`` (end to end, what a plan is judged by): per layer, how much the mean next-token negative
+  log-likelihood of the calibration tokens (labels: the input ids shifted by one, padding excluded) drops
+  when that layer alone is int8 in an otherwise all-int4 model; the largest drops become ``"int8"``.
+  Cost: (L + 2) forwards per input batch (one full precision, which finds the layers the kernel serves
+  and gives the NLL int4 adds; the rest mostly int4), causal LMs with ``input_ids`` only.
+
+The three end-to-end objectives share one runner (:func:`_probe_runner`), parametrised by what it
+measures per token (:class:`_KL`, :class:`_NLL`) and by the precisions it probes.
 
 Attention objective: the model runs with full-precision attention on a few real inputs (its outputs are the
 full-precision ones). At every attention call the INT4 kernel is scored on the very Q, K, V the
@@ -40,6 +48,7 @@ from .attention import layer_index
 
 KL_METRIC = "mean KL(p_full || p_int4 layer) per token, nats"
 KL_GAIN_METRIC = "mean KL(p_full || p_all int4) - KL(p_full || p_all int4 but this layer int8) per token, nats"
+PPL_GAIN_METRIC = "mean next-token NLL(all int4) - NLL(all int4 but this layer int8) per token, nats"
 
 
 @dataclass
@@ -58,11 +67,26 @@ class Sensitivity:
 
 
 @dataclass
+class PerplexityGain(Sensitivity):
+    """A layer's score under objective ``"ppl-gain"``: ``mean`` is how much the mean next-token NLL (nats per
+    token) of the calibration tokens drops when that layer alone is int8 and all others int4 (higher: promote
+    it first); ``worst`` the largest such drop of one input sequence. ``nll_int4`` and ``nll_full`` are the
+    mean NLL of the all-int4 and the full-precision model on the same tokens (the same for every layer), and
+    ``recovery`` = mean / (nll_int4 − nll_full), the share of int4's NLL increase this layer alone buys back
+    (None when int4 adds nothing)."""
+
+    nll_int4: float
+    nll_full: float
+    recovery: float | None
+
+
+@dataclass
 class CalibrationResult(CalibrationOutcome):
     """``plan, scores = calibrate(...)`` unpacks; ``skipped`` counts calls the kernel could not serve.
 
     ``scores`` holds a :class:`~hf_qattn.scoring.Score` per layer (objective ``"attention"``: higher is
-    better) or a :class:`Sensitivity` (``"logit-kl"``: higher is worse)."""
+    better) or a :class:`Sensitivity` (``"logit-kl"``, ``"logit-kl-gain"``: higher → int8 first; objective
+    ``"ppl-gain"``: its subclass :class:`PerplexityGain`)."""
 
     plan: QAttnPlan
     scores: dict[int, Score | Sensitivity]
@@ -75,8 +99,8 @@ class CalibrationResult(CalibrationOutcome):
         body = self._json(plan=self.plan.to_dict(), objective=self.objective, forwards=self.forwards,
                           seconds=round(self.seconds, 3),
                           layers={str(layer): score.as_dict() for layer, score in sorted(self.scores.items())})
-        if self.objective in ("logit-kl", "logit-kl-gain"):
-            body["metric"] = KL_METRIC if self.objective == "logit-kl" else KL_GAIN_METRIC
+        if self.objective in METRICS:
+            body["metric"] = METRICS[self.objective]
         return body
 
 
@@ -228,12 +252,12 @@ class _Bar:
             self.bar.close()
 
 
-def _logits(output) -> torch.Tensor:
+def _logits(output, objective: str) -> torch.Tensor:
     logits = getattr(output, "logits", None)
     if logits is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         logits = output[0]
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        raise ValueError("objective 'logit-kl' needs a model whose output has logits (batch, tokens, vocab), "
+        raise ValueError(f"objective {objective!r} needs a model whose output has logits (batch, tokens, vocab), "
                          "e.g. a *ForCausalLM; use objective='attention' for other models")
     return logits
 
@@ -261,12 +285,51 @@ def _run_attention(model, calls, progress: bool):
     return scores, ranking, meta, collector.skipped, len(calls)
 
 
-def _kl_runner(base: str, probe: str):
-    """A ``logit-kl`` runner: per batch one full-precision forward (the reference), then — with every layer at
-    ``base`` — one forward per layer with that layer alone at ``probe``. With ``base`` unquantized a layer's
-    score is the KL of its probe from the reference; otherwise one more forward (all at ``base``) is run and a
-    layer's score is how much the KL drops when it alone runs ``probe`` (the gain of promoting it)."""
+class _KL:
+    """Per token: KL(p_full || p_probe) of the next-token distribution. The full-precision pass is the reference."""
+
+    def reference(self, call: dict, logits: torch.Tensor, objective: str):
+        """(tokens that count (batch, positions) bool, the reference's own per-token value or None)."""
+        self.logp = torch.log_softmax(logits.float(), dim=-1)
+        self.probs = self.logp.exp()
+        return _token_mask(call, logits), None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return (self.probs * (self.logp - torch.log_softmax(logits.float(), dim=-1))).sum(dim=-1)
+
+
+class _NLL:
+    """Per position t: the negative log-likelihood of input token t + 1 (labels: the input ids shifted by one).
+    A position counts when both tokens are real (attention mask 1); the full-precision pass only adds its own NLL."""
+
+    def reference(self, call: dict, logits: torch.Tensor, objective: str):
+        ids = call.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or tuple(ids.shape) != tuple(logits.shape[:2]):
+            raise ValueError(f"objective {objective!r} needs input_ids (batch, tokens) matching the logits: its labels "
+                             "are the next input ids; use objective='attention' or 'logit-kl' for other inputs")
+        if ids.shape[1] < 2:
+            raise ValueError(f"objective {objective!r} needs inputs of at least 2 tokens (a next token to predict)")
+        mask = _token_mask(call, logits)
+        self.labels = ids[:, 1:].to(logits.device)
+        return mask[:, :-1] & mask[:, 1:], self(logits)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        scores = logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]), self.labels.reshape(-1),
+                                                reduction="none")
+        return nll.view(self.labels.shape)
+
+
+def _probe_runner(objective: str, measure: type, base: str, probe: str, metric: str):
+    """An end-to-end runner: per batch one full-precision forward (the reference; it also notes which layers the
+    kernel serves), then — with every layer at ``base`` — one forward per layer with that layer alone at
+    ``probe``. ``measure`` gives a value per token of each forward (:class:`_KL`: divergence from the
+    reference; :class:`_NLL`: next-token NLL). With ``base`` unquantized a layer's score is its probe's value
+    (a divergence); otherwise one more forward (all at ``base``) is run and a layer's score is how much the
+    value drops when it alone runs ``probe`` (the gain of promoting it). Highest score → int8."""
     gain = base != UNQUANTIZED
+    if not gain and measure is not _KL:
+        raise ValueError("a runner without a base forward needs a divergence from the reference (_KL)")
 
     def run(model, calls, progress: bool):
         from . import attention
@@ -276,21 +339,17 @@ def _kl_runner(base: str, probe: str):
         previous_plan = getattr(config, PLAN_CONFIG_KEY, None)
         totals: dict[int, float] = {}
         worst: dict[int, float] = {}
+        base_total, reference_total = 0.0, 0.0
         sequences, tokens, forwards = 0, 0, 0
         recorder = _LayerRecorder()
         layers: list[int] | None = None
         extra = 2 if gain else 1
-        bar = _Bar(progress, f"hf_qattn calibrate (logit-kl{'-gain' if gain else ''}: L+{extra} forwards per batch)")
-
-        def kl_from(reference, probs, plan, mask):
-            setattr(config, PLAN_CONFIG_KEY, plan)
-            probe_logp = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
-            return (probs * (reference - probe_logp)).sum(dim=-1).masked_fill(~mask, 0.0)  # (batch, tokens)
+        bar = _Bar(progress, f"hf_qattn calibrate ({objective}: L+{extra} forwards per batch)")
 
         try:
             for call in calls:
                 with attention.calibrating(recorder):  # full precision everywhere; notes the layers the kernel serves
-                    reference = torch.log_softmax(_logits(model(**call)).float(), dim=-1)
+                    logits = _logits(model(**call), objective)
                 forwards += 1
                 if layers is None:
                     layers = sorted(recorder.layers)
@@ -298,22 +357,31 @@ def _kl_runner(base: str, probe: str):
                         _nothing_scored(recorder.skipped)
                     bar.start(len(calls) * (len(layers) + extra))
                 bar.step()
-                mask = _token_mask(call, reference)
+                values = measure()
+                mask, own = values.reference(call, logits, objective)
+                del logits
                 counts = mask.sum(dim=1)
-                probs = reference.exp()
+
+                def value(plan):
+                    setattr(config, PLAN_CONFIG_KEY, plan)
+                    return values(_logits(model(**call), objective)).masked_fill(~mask, 0.0)  # (batch, positions)
+
+                if own is not None:
+                    reference_total += float(own.masked_fill(~mask, 0.0).sum())
                 baseline = None
                 if gain:
-                    baseline = kl_from(reference, probs, QAttnPlan(default=base), mask)
+                    baseline = value(QAttnPlan(default=base))
+                    base_total += float(baseline.sum())
                     forwards += 1
                     bar.step()
                 for layer in layers:
-                    kl = kl_from(reference, probs, QAttnPlan(default=base, layers={layer: probe}), mask)
+                    score = value(QAttnPlan(default=base, layers={layer: probe}))
                     forwards += 1
                     if baseline is not None:
-                        kl = baseline - kl
-                    totals[layer] = totals.get(layer, 0.0) + float(kl.sum())
+                        score = baseline - score
+                    totals[layer] = totals.get(layer, 0.0) + float(score.sum())
                     if bool((counts > 0).any()):
-                        per_sequence = kl.sum(dim=1) / counts.clamp(min=1)
+                        per_sequence = score.sum(dim=1) / counts.clamp(min=1)
                         worst[layer] = max(worst.get(layer, -math.inf), float(per_sequence[counts > 0].max()))
                     bar.step()
                 sequences += int((counts > 0).sum())
@@ -325,19 +393,32 @@ def _kl_runner(base: str, probe: str):
             elif hasattr(config, PLAN_CONFIG_KEY):
                 delattr(config, PLAN_CONFIG_KEY)
         if tokens == 0:
-            raise ValueError("objective 'logit-kl' saw no tokens (every attention_mask entry is 0)")
-        scores = {layer: Sensitivity(mean=totals[layer] / tokens, worst=worst[layer], count=sequences, tokens=tokens)
-                  for layer in layers}
+            raise ValueError(f"objective {objective!r} saw no tokens (every attention_mask entry is 0"
+                             + (", or no input has two real tokens in a row)" if measure is _NLL else ")"))
+        if measure is _NLL:
+            nll_int4, nll_full = base_total / tokens, reference_total / tokens
+            increase = nll_int4 - nll_full
+            scores = {layer: PerplexityGain(mean=totals[layer] / tokens, worst=worst[layer], count=sequences,
+                                            tokens=tokens, nll_int4=nll_int4, nll_full=nll_full,
+                                            recovery=totals[layer] / tokens / increase if increase else None)
+                      for layer in layers}
+        else:
+            scores = {layer: Sensitivity(mean=totals[layer] / tokens, worst=worst[layer], count=sequences,
+                                         tokens=tokens) for layer in layers}
         ranking = {layer: -s.mean for layer, s in scores.items()}  # largest first → int8
-        meta = {"metric": KL_GAIN_METRIC if gain else KL_METRIC, "tokens": tokens,
+        meta = {"metric": metric, "tokens": tokens,
                 "scores": {str(layer): [round(s.mean, 8), round(s.worst, 8)] for layer, s in scores.items()}}
+        if measure is _NLL:
+            meta.update(nll_int4=round(nll_int4, 6), nll_full=round(nll_full, 6))
         return scores, ranking, meta, recorder.skipped, forwards
 
     return run
 
 
-_run_logit_kl = _kl_runner(UNQUANTIZED, "int4")
-_run_logit_kl_gain = _kl_runner("int4", "int8")
+_run_logit_kl = _probe_runner("logit-kl", _KL, UNQUANTIZED, "int4", KL_METRIC)
+_run_logit_kl_gain = _probe_runner("logit-kl-gain", _KL, "int4", "int8", KL_GAIN_METRIC)
+_run_ppl_gain = _probe_runner("ppl-gain", _NLL, "int4", "int8", PPL_GAIN_METRIC)
+METRICS = {"logit-kl": KL_METRIC, "logit-kl-gain": KL_GAIN_METRIC, "ppl-gain": PPL_GAIN_METRIC}
 
 
 def _nothing_scored(skipped) -> None:
@@ -357,6 +438,9 @@ OBJECTIVES = {
     "logit-kl-gain": (_run_logit_kl_gain, "L+2 forwards per input batch (most layers int4: slow on CPU): how much "
                                           "the KL of the final next-token distribution from full precision drops "
                                           "when that layer alone is int8 and all others int4 (largest → int8)"),
+    "ppl-gain": (_run_ppl_gain, "L+2 forwards per input batch (most layers int4: slow on CPU; causal LMs): how "
+                                "much the next-token NLL of the calibration text drops when that layer alone is "
+                                "int8 and all others int4 (largest → int8)"),
 }
 DEFAULT_OBJECTIVE = "attention"
 
@@ -393,7 +477,9 @@ def calibrate(
         objective: one of :data:`OBJECTIVES`: ``"attention"`` (default, the INT4 attention-output score
             CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"`` (end to end: KL of the final
             next-token distribution with one layer at int4, L + 1 forwards per batch; needs logits) or
-            ``"logit-kl-gain"`` (the KL drop when one layer of an all-int4 model is int8; L + 2 forwards).
+            ``"logit-kl-gain"`` (the KL drop when one layer of an all-int4 model is int8; L + 2 forwards) or
+            ``"ppl-gain"`` (the drop of the next-token NLL of ``inputs`` when one layer of an all-int4 model is
+            int8; L + 2 forwards; needs logits and input_ids).
 
     Returns a :class:`CalibrationResult` (``plan, scores = calibrate(...)``): ``scores[layer]`` has the
     mean and worst over inputs (a :class:`~hf_qattn.scoring.Score` or a :class:`Sensitivity`), plus the
