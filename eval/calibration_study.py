@@ -2,16 +2,25 @@
 
     python eval/calibration_study.py                       # SmolLM2-135M-Instruct, CPU: ~20 min on 2 cores
     python eval/calibration_study.py --ratios 0.3 --test-windows 2 --test-len 512
+    python eval/calibration_study.py --objectives ppl-gain --cal-windows 16 --cal-len 512 --test-windows 8 \
+        --chunks 4 --batch-size 1                       # ppl-gain vs attention, and recovery vs calibration text
 
 1. Calibrates SmolLM2 on ``--cal-windows`` windows of ``--cal-len`` tokens of WikiText-2 *validation* text with
-   both objectives of ``hf_qattn.calibrate``: ``attention`` (CosSim·(1 − RelL1) of each layer's INT4 attention
-   output) and ``logit-kl`` (KL of the final next-token distribution with that layer alone at int4).
-2. Reports both per layer and their Spearman rank correlation (attention score taken as 1 − score, so that
-   both read "higher = more harmed by int4").
+   ``attention`` (CosSim·(1 − RelL1) of each layer's INT4 attention output) and the ``--objectives`` of
+   ``hf_qattn.calibrate`` (default ``logit-kl``: KL of the final next-token distribution with that layer alone
+   at int4; also ``logit-kl-gain``, ``ppl-gain``).
+2. Reports them per layer and their Spearman rank correlation with attention (attention score taken as
+   1 − score, so that all read "higher = int8 first").
 3. Perplexity on ``--test-windows`` windows of ``--test-len`` tokens of WikiText-2 *test* text, computed
    directly with the model's loss (token-level, not lm-eval's word perplexity: fast, comparable between
    modes only): sdpa, int8 everywhere, int4 everywhere, and each objective's plan at every ``--ratios`` value;
    recovery = (ppl_int4 − ppl_plan) / (ppl_int4 − ppl_sdpa).
+4. With ``--chunks K``: the calibration windows are split into K interleaved chunks (chunk k: windows k, k + K,
+   …, so each is spread over the whole text) and ``hf_qattn.calibrate`` runs on each chunk separately. A
+   set of chunks' per-layer score is the token-weighted mean of theirs — exactly what ``calibrate`` computes
+   on their union (it sums over batches and divides by the tokens; ``worst`` is the max), so the main plans
+   (all chunks) cost nothing extra, and the data-amount curve does: recovery at ``--curve-ratio`` of the plan
+   made from every single chunk, every group of 2, 4, … chunks (disjoint), up to all of them.
 
 Writes eval/results/calibration-study-cpu-<date>.md (rewritten after every measurement, so a cut-short run
 keeps what it measured) and a JSON beside it.
@@ -102,6 +111,13 @@ def main(argv=None) -> int:
     parser.add_argument("--ratios", default="0.3,0.1,0.5", help="ξ values, in the order they are measured")
     parser.add_argument("--objectives", default="attention,logit-kl",
                         help="comma list of hf_qattn.calibrate objectives (attention is always included)")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="calibrate on this many interleaved chunks of the calibration windows separately; "
+                             "with K > 1, the recovery curve over 1, 2, 4, … chunks")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="calibrate's batch_size (the CPU reference runs 1 × 512 tokens far faster per token "
+                             "than batches of several)")
+    parser.add_argument("--curve-ratio", type=float, default=0.3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -127,44 +143,78 @@ def main(argv=None) -> int:
     except OSError:
         commit = "?"
     state: dict = {"date": date, "model": args.model, "layers": num_layers, "commit": commit,
-                   "calibration": f"{args.cal_windows} WikiText-2 validation windows × {args.cal_len} tokens",
+                   "calibration": f"{args.cal_windows} WikiText-2 validation windows × {args.cal_len} tokens"
+                                  + (f" in {args.chunks} interleaved chunks, each calibrated separately"
+                                     if args.chunks > 1 else "") + f" (calibrate batch_size={args.batch_size})",
                    "test": f"{args.test_windows} WikiText-2 test windows × {args.test_len} tokens",
                    "versions": {"hf_qattn": hf_qattn.__version__, "torch": torch.__version__,
                                 "transformers": transformers.__version__, "python": platform.python_version()},
-                   "threads": torch.get_num_threads(), "objectives": {}, "ppl": {}}
+                   "threads": torch.get_num_threads(), "objectives": {}, "ppl": {}, "curve": {},
+                   "chunks": args.chunks, "curve_ratio": args.curve_ratio, "batch_size": args.batch_size}
 
     def save():
         write_report(out, state)
 
     objectives = ["attention"] + [o for o in args.objectives.split(",") if o and o != "attention"]
-    results = {}
+    if args.chunks < 1 or args.cal_windows % args.chunks:
+        raise SystemExit("--chunks must divide --cal-windows")
+    chunks = [cal[k :: args.chunks] for k in range(args.chunks)]
+    parts: dict[str, list] = {}  # objective → one CalibrationResult per chunk
+
+    def weight(result):
+        first = next(iter(result.scores.values()))
+        return getattr(first, "tokens", first.count)  # ppl-gain / logit-kl: tokens; attention: sequences
+
+    def combined(objective, which):
+        """Per-layer means over the chunks ``which``: what calibrate returns on their union."""
+        chosen = [parts[objective][k] for k in which]
+        total = sum(weight(r) for r in chosen)
+        layers = sorted(chosen[0].scores)
+        return {l: sum(weight(r) * r.scores[l].mean for r in chosen) / total for l in layers}
+
     for objective in objectives:
-        print(f"calibrating: {objective}", flush=True)
-        result = hf_qattn.calibrate(model, {"input_ids": cal}, 0.3, objective=objective, progress=True)
-        results[objective] = result
-        state["objectives"][objective] = {
-            "forwards": result.forwards, "seconds": round(result.seconds, 1),
-            "per_layer": {str(l): [s.mean, s.worst] for l, s in sorted(result.scores.items())}}
+        parts[objective] = []
+        for k, chunk in enumerate(chunks):
+            print(f"calibrating: {objective}" + (f", chunk {k + 1}/{args.chunks}" if args.chunks > 1 else ""), flush=True)
+            result = hf_qattn.calibrate(model, chunk, 0.3, objective=objective, batch_size=args.batch_size,
+                                        progress=True)
+            parts[objective].append(result)
+        results = parts[objective]
+        means = combined(objective, range(args.chunks))
+        state["objectives"][objective] = entry = {
+            "forwards": sum(r.forwards for r in results), "seconds": round(sum(r.seconds for r in results), 1),
+            "per_layer": {str(l): [means[l], max(r.scores[l].worst for r in results)] for l in means}}
+        if args.chunks > 1:
+            entry["per_chunk"] = [{str(l): s.mean for l, s in sorted(r.scores.items())} for r in results]
+        if objective == "ppl-gain":
+            total = sum(weight(r) for r in results)
+            firsts = [next(iter(r.scores.values())) for r in results]
+            entry["nll_int4"] = sum(weight(r) * f.nll_int4 for r, f in zip(results, firsts)) / total
+            entry["nll_full"] = sum(weight(r) * f.nll_full for r, f in zip(results, firsts)) / total
+            entry["recovery"] = {str(l): means[l] / (entry["nll_int4"] - entry["nll_full"]) for l in means}
         save()
-    attn = results["attention"].scores
+    attn = combined("attention", range(args.chunks))
     state["spearman"] = {}
     for objective in objectives[1:]:
-        other = results[objective].scores
+        other = combined(objective, range(args.chunks))
         layers = sorted(other)
-        state["spearman"][objective] = spearman([1 - attn[l].mean for l in layers], [other[l].mean for l in layers])
+        state["spearman"][objective] = spearman([1 - attn[l] for l in layers], [other[l] for l in layers])
     save()
 
-    def ranking(objective):
-        s = results[objective].scores
-        return {l: (s[l].mean if objective == "attention" else -s[l].mean) for l in s}
+    def ranking(objective, which=None):
+        means = combined(objective, range(args.chunks) if which is None else which)
+        return {l: (v if objective == "attention" else -v) for l, v in means.items()}  # lowest → int8
 
-    def measure(name, impl, plan):
+    def measure(name, impl, plan, record=True):
         ppl, seconds = perplexity(model, test, impl, plan)
-        state["ppl"][name] = {"ppl": ppl, "seconds": round(seconds, 1),
-                              "int8_layers": sorted(l for l, p in (QAttnPlan.from_dict(plan).layers.items()
-                                                                   if plan else []) if p == "int8")}
+        entry = {"ppl": ppl, "seconds": round(seconds, 1),
+                 "int8_layers": sorted(l for l, p in (QAttnPlan.from_dict(plan).layers.items()
+                                                      if plan else []) if p == "int8")}
+        if record:
+            state["ppl"][name] = entry
+            save()
         print(f"{name}: ppl {ppl:.4f} ({seconds:.0f} s)", flush=True)
-        save()
+        return entry
 
     measure("sdpa", "sdpa", None)
     measure("int4", "qattn", QAttnPlan(default="int4", num_layers=num_layers).to_dict())
@@ -174,6 +224,27 @@ def main(argv=None) -> int:
             measure(f"{objective} ξ={ratio:g}", "qattn", plan.to_dict())
         if ratio == ratios[0]:
             measure("int8", "qattn", QAttnPlan(default="int8", num_layers=num_layers).to_dict())
+
+    # data-amount curve: recovery at --curve-ratio of plans made from 1, 2, 4, … chunks (disjoint groups)
+    if args.chunks > 1:
+        per_chunk = args.cal_windows // args.chunks
+        size = 1
+        while size <= args.chunks:
+            for objective in objectives:
+                points = state["curve"].setdefault(objective, {}).setdefault(str(size * per_chunk), [])
+                for first in range(0, args.chunks - size + 1, size):
+                    which = range(first, first + size)
+                    if size == args.chunks and f"{objective} ξ={args.curve_ratio:g}" in state["ppl"]:
+                        entry = state["ppl"][f"{objective} ξ={args.curve_ratio:g}"]  # the main plan, measured above
+                    else:
+                        plan = QAttnPlan.from_scores(ranking(objective, which), args.curve_ratio, num_layers=num_layers)
+                        entry = measure(f"{objective}, chunks {list(which)} ξ={args.curve_ratio:g}", "qattn",
+                                        plan.to_dict(), record=False)
+                    points.append({**entry, "chunks": list(which),
+                                   "forwards": sum(parts[objective][k].forwards for k in which),
+                                   "seconds_cal": round(sum(parts[objective][k].seconds for k in which), 1)})
+                    save()
+            size *= 2
     return 0
 
 
@@ -184,7 +255,7 @@ def write_report(path: str, state: dict) -> None:
     lines = [f"# Calibration objectives on {os.path.basename(state['model'])} (cpu, {state['date']})", "",
              "Produced by `python eval/calibration_study.py` (" + " ".join(sys.argv[1:]) + ")", "",
              f"- model: `{os.path.basename(state['model'])}`, {state['layers']} layers, float32",
-             f"- calibration: {state['calibration']} (both objectives on the same tokens)",
+             f"- calibration: {state['calibration']} (all objectives on the same tokens)",
              f"- test: {state['test']}; token-level perplexity from the model's own loss (not lm-eval's word "
              "perplexity: compare rows of this table only); short test text, so differences under ~0.3 % are noise",
              f"- device: CPU ({platform.machine()}, {state['threads']} threads, shared with other jobs); qattn on the "
@@ -210,7 +281,8 @@ def write_report(path: str, state: dict) -> None:
             lines.append(f"Spearman rank correlation of (1 − attention score) with {n}: **{rho:+.3f}** "
                          "(1: the attention score orders the layers exactly as that end-to-end measure).")
         units = {"attention": "attention score (mean)", "logit-kl": "logit KL, nats/token (mean)",
-                 "logit-kl-gain": "KL drop when int8, nats/token (mean)"}
+                 "logit-kl-gain": "KL drop when int8, nats/token (mean)",
+                 "ppl-gain": "NLL drop when int8, nats/token (mean)"}
         lines += ["", "| layer | " + " | ".join(f"{units.get(n, n)} | rank (worst = 1)" for n in names) + " |",
                   "|---|" + "---|---|" * len(names)]
         for l in sorted(per["attention"], key=int):
@@ -230,6 +302,30 @@ def write_report(path: str, state: dict) -> None:
                 recovery = f"{100 * (int4 - entry['ppl']) / (int4 - base):.0f} %"
             layers = ", ".join(str(l) for l in entry["int8_layers"]) if 0 < len(entry["int8_layers"]) < state["layers"] else ""
             lines.append(f"| {name} | {entry['ppl']:.4f} | {delta} | {recovery} | {layers} | {entry['seconds']} |")
+        lines.append("")
+    curve = state.get("curve")
+    if curve and ppl.get("sdpa") and ppl.get("int4"):
+        base, int4 = ppl["sdpa"]["ppl"], ppl["int4"]["ppl"]
+        counts = sorted({int(c) for points in curve.values() for c in points})
+        lines += ["## Recovery vs calibration text", "",
+                  "Plans from n calibration windows (disjoint groups of the interleaved chunks, so each group is "
+                  "spread over the validation text), each measured on the same test windows at ξ = "
+                  f"{state.get('curve_ratio', 0.3):g}. Cell: recovery of int4's increase of every group (their mean); "
+                  "calibration forwards and seconds per group.", "",
+                  "| objective | " + " | ".join(f"n = {c}" for c in counts) + " |", "|---|" + "---|" * len(counts)]
+        for name, points in curve.items():
+            cells = []
+            for c in counts:
+                group = points.get(str(c), [])
+                if not group:
+                    cells.append("")
+                    continue
+                rec = [100 * (int4 - g["ppl"]) / (int4 - base) for g in group]
+                text = ", ".join(f"{r:.0f} %" for r in rec)
+                if len(rec) > 1:
+                    text += f" (mean {sum(rec) / len(rec):.0f} %)"
+                cells.append(f"{text}; {group[0]['forwards']} fw, {group[0]['seconds_cal']} s")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
