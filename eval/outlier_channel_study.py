@@ -5,7 +5,7 @@
 The input: B1 H2 N512 d64 fp16, Gaussian Q/K/V, K channel 5 = ±6e4 on alternating tokens (zero mean,
 so smoothing cannot remove it). Printed: the cosine of each variant's output to float64 attention.
 
-1. qattn-8b as shipped (reference path).
+1. qattn-8b as shipped (reference path), and with ``split_channel=True`` (3., built in).
 2. Moving a per-channel scale from K to Q (Q·diag(s), diag(1/s)·K, exact in real arithmetic) with
    s = max|K_c − k̄_c|^α / max|Q_c|^(1−α), for α = 0.5, 0.75, 1, then qattn-8b.
 3. Splitting the outlier channel out of the INT8 product (channels whose max |K − k̄| exceeds 16× the
@@ -67,6 +67,7 @@ def main():
     print(f"qattn-8b as shipped:                 cos {cosine(hf_qattn.qattn(q, k, v), ref):.4f}")
     for alpha in (0.5, 0.75, 1.0):
         print(f"K→Q channel scale migration α={alpha:<4}: cos {cosine(migrated(q, k, v, alpha), ref):.4f}")
+    print(f"qattn-8b, split_channel=True:         cos {cosine(hf_qattn.qattn(q, k, v, split_channel=True), ref):.4f}")
     out, count = split_outliers(q, k, v)
     print(f"outlier channel split out ({count} channel-heads), INT8 rest: cos {cosine(out, ref):.4f}")
 

@@ -10,6 +10,7 @@ and warned once per reason by :func:`hf_qattn.fallback_stats`) is chosen by
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from typing import Literal
 
@@ -120,6 +121,7 @@ def qattn(
     kv_start: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
     backend: Literal["auto", "hopper", "triton", "reference"] = "auto",
+    split_channel: bool | None = None,
 ):
     """Quantized attention: Q·Kᵀ in INT8 or INT4 range, P·V in FP8 (E4M3), with Q/K/V smoothing.
 
@@ -135,6 +137,11 @@ def qattn(
         kv_start, kv_end: optional (batch,) int tensors; sequence b sees keys [start, end) —
             left/right padding without a mask tensor.
         backend: ``"auto"`` (kernels on capable GPUs, reference on CPU), or force one path.
+        split_channel: compute one K channel per kv head in float outside the INT8 product when its
+            range is ≥ 8× the head's mean channel range (large values of both signs, which smoothing
+            cannot remove, would otherwise crush every other channel of K). Default: off, or the
+            ``HF_QATTN_SPLIT_CHANNEL=1`` environment variable; on the H100 it makes a call 6–21 %
+            slower (eval/results/split-channel-*.md), so it is for inputs known to need it.
 
     Returns the output in q's layout, shape and dtype; with ``return_lse``, ``(out, lse)``.
     Rows that see no key give zeros (lse −inf). NaN or ±Inf in q, k or v comes out NaN in the rows
@@ -168,8 +175,13 @@ def qattn(
         out, lse = result if return_lse else (result, None)
         out = out if layout == "HND" else out.transpose(1, 2).contiguous()  # q's layout, as the kernels write it
         return (out, lse) if return_lse else out
+    if split_channel is None:
+        split_channel = os.environ.get("HF_QATTN_SPLIT_CHANNEL", "0") == "1"
+    elif not isinstance(split_channel, bool):
+        raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
     out, lse = ops.run(q, k, v, kv_start, kv_end, path=path, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv=pv,
-                       layout=layout, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
+                       layout=layout, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
+                       split_channel=split_channel)
     return (out, lse) if return_lse else out
 
 

@@ -44,6 +44,26 @@ def smoothing_center(x: torch.Tensor, sample: int | None = None) -> torch.Tensor
     return x.mean(dim=-2, dtype=torch.float32)
 
 
+# A K channel whose sampled range reaches this many times the mean channel range of its head is split
+# out of the INT8 product (the kernels' rule: kernels/quantize.py).
+SPLIT_RATIO = 8.0
+
+
+def split_channel(k: torch.Tensor, k_bar: torch.Tensor) -> torch.Tensor:
+    """Per (batch, head) of k (B, H, N, D), the channel to compute in float outside the INT8 product,
+    or −1: the channel whose range max |K_c − k̄_c| over all tokens is at least :data:`SPLIT_RATIO`
+    times the head's mean channel range. One such channel (large values of both signs: smoothing cannot
+    remove it) would set every scale of K and crush the other channels. Over all tokens, not a sample:
+    a strided sample can miss a pattern in step with its stride."""
+    if k.shape[-2] == 0:
+        return torch.full(k.shape[:2], -1, dtype=torch.long, device=k.device)
+    k = k.float()
+    spread = torch.maximum(k.amax(-2) - k_bar, k_bar - k.amin(-2))  # (B, H, D)
+    top, channel = spread.max(-1)
+    split = (top > 0) & torch.isfinite(top) & (top >= SPLIT_RATIO * spread.mean(-1))  # NaN/Inf: not split
+    return torch.where(split, channel, -1)
+
+
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     """1 / scale in float32, correctly rounded: values are quantized as x · (1 / scale), as the kernels
     do (one division per scale, not per value), so kernels and references round alike."""

@@ -58,6 +58,7 @@ def quantized_attention(
     kv_end: torch.Tensor | None = None,
     return_lse: bool = False,
     centers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    split_channel: bool = False,
 ):
     """Quantized attention, simulated exactly (see the module docstring). HND layout.
 
@@ -66,7 +67,9 @@ def quantized_attention(
     ``block_n`` rows) | "tensor". v_granularity: "channel" (over all keys) | "block" (per key tile).
     center_sample: see :func:`hf_qattn.quant.smoothing_center`. centers: (q̄, k̄, v̄) as (B, H, D) tensors
     to use instead (a kernel's own, whose sums ran in another order: a last-bit difference in a center
-    can flip a rounding tie, which is not what a kernel-vs-reference comparison is after). Returns O, or (O, lse) with lse
+    can flip a rounding tie, which is not what a kernel-vs-reference comparison is after). split_channel: take
+    the channel :func:`hf_qattn.quant.split_channel` finds out of K̂ and add its rank-one term in float,
+    as the kernels do with ``qattn(split_channel=True)``. Returns O, or (O, lse) with lse
     (B, Hq, Nq) float32 in natural-log units of the scaled scores.
     """
     if qk not in quant.QK_FORMATS:
@@ -88,6 +91,15 @@ def quantized_attention(
         q_bar, k_bar, v_bar = (c.float() for c in centers)
     qs, ks, vs = qf - q_bar[:, :, None], kf - k_bar[:, :, None], vf - v_bar[:, :, None]
     delta_s = torch.einsum("bhd,bhnd->bhn", q_bar, _repeat_kv(ks, groups))
+    # the split channel (at most one per kv head): out of K̂, its scores q_c·k_c kept in float
+    q_split = qs.new_zeros(b, hq, nq)
+    k_split = ks.new_zeros(b, hk, nk)
+    if split_channel and qk != "none":
+        channel = quant.split_channel(kf, k_bar)  # (B, Hk)
+        one_hot = (torch.arange(d, device=k.device) == channel[..., None]).float()  # all zero without a split
+        k_split = torch.einsum("bhnd,bhd->bhn", ks, one_hot)
+        q_split = torch.einsum("bhnd,bhd->bhn", qs, _repeat_kv(one_hot[:, :, None], groups)[:, :, 0])
+        ks = ks * (1 - one_hot[:, :, None])
 
     if qk == "none":
         q_hat, k_hat = qs, ks
@@ -97,7 +109,7 @@ def quantized_attention(
         q_hat, dq = quant.quantize_int(qs, qmax, quant.group_rows(q_granularity, block_m, warp_rows))
         k_hat, dk = quant.quantize_int(ks, qmax, quant.group_rows(k_granularity, block_n, warp_rows))
     v_hat, dv_scale = quant.quantize_v(vs, pv, v_granularity, block_n)
-    k_hat, dk, v_hat, dv_scale = (_repeat_kv(x, groups) for x in (k_hat, dk, v_hat, dv_scale))
+    k_hat, dk, v_hat, dv_scale, k_split = (_repeat_kv(x, groups) for x in (k_hat, dk, v_hat, dv_scale, k_split))
 
     visible = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=q.device)
     c = scale * LOG2E
@@ -109,7 +121,8 @@ def quantized_attention(
     for tile, j0 in enumerate(range(0, nk, block_n)):
         j1 = min(j0 + block_n, nk)
         qk_int = torch.matmul(q_hat.double(), k_hat[:, :, j0:j1].double().transpose(-1, -2)).float()
-        s = qk_int * (q_coef[..., None] * dk[:, :, None, j0:j1]) + delta_s[:, :, None, j0:j1] * c
+        s = qk_int * (q_coef[..., None] * dk[:, :, None, j0:j1]) + (
+            delta_s[:, :, None, j0:j1] * c + (q_split * c)[..., None] * k_split[:, :, None, j0:j1])
         s = s.masked_fill(~visible[..., j0:j1], -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new)  # rows that saw no key yet

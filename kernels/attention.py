@@ -8,6 +8,7 @@ from ``quantize_kv_kernel``.
 
 Per key tile (``_key_tiles``):
     S  = (Q̂·K̂ᵀ) · (δQ·sm_scale·log2 e) · δK + ΔS         int32 MMA, then FP32
+         + qc·kc                                          with SPLIT: K's split channel (rank one, FP32)
     m' = max(m, rowmax S),  α = 2^(m − m')
     P  = 2^(S − m' + log2 448) = P̃·448 ∈ [0, 448]          the static FP8 scale folded into exp2
     l  = α·l + ΣP
@@ -31,11 +32,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _key_tiles(
-    acc, l_i, m_i, q_int, q_coef, offs_m,
-    kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, kq_row0, vq_row0,
+    acc, l_i, m_i, q_int, q_coef, q_split, offs_m,
+    kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, KC_bhk, kq_row0, vq_row0,
     lo, hi, kv_lo, kv_hi, diag_offset,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     offs_d = tl.arange(0, D_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -49,7 +51,10 @@ def _key_tiles(
             s = qk * (q_coef[:, None] * tl.load(KS_bh + offs_n)[None, :])
         else:
             s = qk * (q_coef * tl.load(KS_bh + tile))[:, None]
-        s += tl.load(DS_bhq + offs_n)[None, :]
+        bias = tl.load(DS_bhq + offs_n)[None, :]
+        if SPLIT:  # the rank-one term of K's split channel
+            bias += q_split[:, None] * tl.load(KC_bhk + offs_n)[None, :]
+        s += bias
         if MASKED:
             visible = ((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :]
             if CAUSAL:
@@ -75,15 +80,41 @@ def _key_tiles(
 
 
 @triton.jit
+def _all_key_tiles(q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, KC_bhk, kq_row0, vq_row0,
+                   first, clean_lo, clean_hi, hi, kv_lo, kv_hi, diag_offset,
+                   BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """The left edge (a tile cut by kv_start), the clean middle and the right edge (cut by kv_end or the
+    diagonal) of a query tile's keys: (O unnormalized, l, m)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh,
+                               DS_bhq, KC_bhk, kq_row0, vq_row0, first, tl.minimum(clean_lo, hi), kv_lo, kv_hi,
+                               diag_offset, D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND,
+                               SPLIT)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh,
+                               DS_bhq, KC_bhk, kq_row0, vq_row0, clean_lo, clean_hi, kv_lo, kv_hi,
+                               diag_offset, D_PAD, BLOCK_N, False, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND,
+                               SPLIT)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh,
+                               DS_bhq, KC_bhk, kq_row0, vq_row0, tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi,
+                               diag_offset, D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND,
+                               SPLIT)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def attention_kernel(
-    Q, kq_desc, KS, vq_desc, VS, DS, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, O, LSE,
+    Q, kq_desc, KS, vq_desc, VS, DS, KC, SPLIT_CHANNEL, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_ob, stride_oh, stride_on, stride_od,
     HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_GROUP: tl.constexpr, QK_MAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, RETURN_LSE: tl.constexpr,
-    GRID_ROUND: tl.constexpr,
+    GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bhq = tl.program_id(1)  # b·Hq + h
@@ -111,6 +142,9 @@ def attention_kernel(
     # its output is NaN, as full-precision attention's, never a plausible value
     row_sum = tl.sum(qs, axis=1)
     q_coef = tl.where((row_sum == row_sum) & (tl.abs(row_sum) < float("inf")), q_scale * score_coef, float("nan"))
+    q_split = q_coef  # Q's part of the split channel's rank-one score term (zero when the kv head has none)
+    if SPLIT:
+        q_split = tl.sum(tl.where((offs_d == tl.load(SPLIT_CHANNEL + bhk))[None, :], qs, 0.0), axis=1) * score_coef
 
     # --- which key tiles to visit: [kv_lo, kv_hi) ∩ causal, split into masked edges and a clean middle
     kv_lo = 0
@@ -134,24 +168,15 @@ def attention_kernel(
     vq_row0 = (bhk * D_PAD).to(tl.int32)
     VS_bh = VS + bhk * NUM_TILES * D_PAD
     DS_bhq = DS + bhq.to(tl.int64) * NK_PAD
+    KC_bhk = KC + bhk * NK_PAD
     if K_TOKEN_SCALE:
         KS_bh = KS + bhk * NK_PAD
     else:
         KS_bh = KS + bhk * NUM_TILES
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    # left edge (a tile cut by kv_start), clean middle, right edge (cut by kv_end or the diagonal)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq,
-                               kq_row0, vq_row0, first, tl.minimum(clean_lo, hi), kv_lo, kv_hi, diag_offset,
-                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq,
-                               kq_row0, vq_row0, clean_lo, clean_hi, kv_lo, kv_hi, diag_offset,
-                               D_PAD, BLOCK_N, False, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq,
-                               kq_row0, vq_row0, tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi, diag_offset,
-                               D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND)
+    acc, l_i, m_i = _all_key_tiles(q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, KC_bhk,
+                                   kq_row0, vq_row0, first, clean_lo, clean_hi, hi, kv_lo, kv_hi, diag_offset,
+                                   BLOCK_M, D_PAD, BLOCK_N, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND, SPLIT)
 
     # --- epilogue: normalize, add v̄ back; rows that saw no key are zero. l is 0 exactly for those;
     # NaN (NaN/±Inf inputs) is != 0, so it stays NaN instead of passing for a row without keys

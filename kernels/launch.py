@@ -31,10 +31,11 @@ LOG2E = 1.4426950408889634
 
 
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
-                      v_range: torch.Tensor | None = None, block_n: int = 128):
+                      v_range: torch.Tensor | None = None, block_n: int = 128, k_range: torch.Tensor | None = None):
     """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off. Each program
     sums ``rows`` sampled tokens a step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the
-    same launch also writes V's range per channel there (see ``centers_kernel``). Measured on the H100 (d128
+    same launch also writes V's range per channel there (see ``centers_kernel``); ``k_range``, the same for
+    K (the K/V pass picks the split channel from it). Measured on the H100 (d128
     B4 H32, GPU µs at 1k / 2k / 8k): this launch at 4 warps 30 / 47 / 142, the centers and a separate 16-warp
     V-max kernel 36 / 49 / 113, this launch at 16 warps 61 / 107 / 370; one launch fewer also saves the
     host ≈ 40–50 µs a call."""
@@ -42,14 +43,15 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, r
     hk, nk = k.shape[1], k.shape[2]
     sample = tuning.center_sample()
     centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
-    v_tiles = math.ceil(nk / block_n) if v_range is not None else 0
-    fast(centers_kernel)[(b * hq + 2 * b * hk + b * hk * v_tiles,)](
-        q, k, v, centers, v_range, *q.stride(), *k.stride(), *v.stride(),
+    tiles = math.ceil(nk / block_n)
+    range_programs = b * hk * tiles * ((v_range is not None) + (k_range is not None))
+    fast(centers_kernel)[(b * hq + 2 * b * hk + range_programs,)](
+        q, k, v, centers, v_range, k_range, *q.stride(), *k.stride(), *v.stride(),
         hq, hk, b * hq, b * hk, nq, nk, math.ceil(nq / sample) if nq > sample else 1,
-        math.ceil(nk / sample) if nk > sample else 1, v_tiles,
+        math.ceil(nk / sample) if nk > sample else 1, tiles,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows, BLOCK_N=block_n,
         SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, WITH_V_RANGE=v_range is not None,
-        num_warps=num_warps,
+        WITH_K_RANGE=k_range is not None, num_warps=num_warps,
     )
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
 
@@ -62,49 +64,72 @@ class QuantizedKV:
     ks: torch.Tensor
     vq: torch.Tensor
     vs: torch.Tensor
-    ds: torch.Tensor
+    ds: torch.Tensor  # (B·Hq [+ B·Hk], NK_PAD): ΔS rows, then (with split) each kv head's row kc
+    split: torch.Tensor  # with split: (B·Hk,) int32, the split channel of K or −1; else empty
     q_bar: torch.Tensor
     k_bar: torch.Tensor
     v_bar: torch.Tensor
     nk_pad: int
     tiles: int
 
+    @property
+    def with_split(self) -> bool:
+        return self.split.numel() > 0
+
+    @property
+    def delta_s(self) -> torch.Tensor:
+        """ΔS·sm_scale·log2 e, (B·Hq, NK_PAD)."""
+        return self.ds[: self.ds.shape[0] - self.split.numel()]
+
+    @property
+    def kc(self) -> torch.Tensor:
+        """The split channel of K − k̄ per key, (B·Hk, NK_PAD), zeros for kv heads without one; empty
+        without split."""
+        return self.ds[self.ds.shape[0] - self.split.numel():]
+
 
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
-                permute_v: bool = False, num_warps: int | None = None, fuse_ds: bool = True) -> QuantizedKV:
+                permute_v: bool = False, num_warps: int | None = None, fuse_ds: bool = True,
+                split: bool = False) -> QuantizedKV:
     """Centers (and, for per-channel V scales, V's range: one read of V in the same launch), then one
     pass over K and V.
-    ΔS is written by the K/V pass (``fuse_ds``) or by :func:`delta_scores` after it (same values)."""
+    ΔS is written by the K/V pass (``fuse_ds``) or by :func:`delta_scores` after it (same values).
+    ``split``: also K's split channel per kv head (kernels/quantize.py), out of K̂ and into ``kc``."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
     d_pad = tuning.padded_head_dim(d)
     tiles = math.ceil(nk / block_n)
     nk_pad = tiles * block_n
-    # per-channel V scales need V's range over all keys before the pass: the centers launch finds it
-    vs = (torch.full((b * hk, 2, d_pad), float("-inf"), device=device, dtype=torch.float32) if v_channel_scale
-          else torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32))
+    # per-channel V scales need V's range over all keys before the pass, and the split channel K's: the
+    # centers launch finds them, into one −inf-filled buffer
+    ranges = torch.full((int(v_channel_scale) + int(split), b * hk, 2, d_pad), float("-inf"), device=device,
+                        dtype=torch.float32)
+    vs = ranges[0] if v_channel_scale else torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
+    k_range = ranges[-1] if split else None
     q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v, block_n=block_n,
-                                            v_range=vs if v_channel_scale else None)
+                                            v_range=vs if v_channel_scale else None, k_range=k_range)
+    split_channel = torch.empty(b * hk if split else 0, device=device, dtype=torch.int32)
     kq = torch.empty(b * hk * nk_pad, d_pad, device=device, dtype=torch.int8)
     ks = torch.empty(b * hk, nk_pad if k_token_scale else tiles, device=device, dtype=torch.float32)
     vq = torch.empty(b * hk * d_pad, nk_pad, device=device, dtype=torch.float8_e4m3fn if v_fp8 else torch.float16)
-    ds = torch.empty(b * hq, nk_pad, device=device, dtype=torch.float32)
+    ds = torch.empty(b * hq + (b * hk if split else 0), nk_pad, device=device, dtype=torch.float32)
     has_range = kv_start is not None or kv_end is not None
     num_warps = num_warps or tuning.quantize_num_warps(block_n, d)
     fast(quantize_kv_kernel)[(tiles, b * hk)](
-        k, v, k_bar, v_bar, q_bar, kv_start, kv_end, kq, ks, vq, vs, ds,
+        k, v, k_bar, v_bar, q_bar, kv_start, kv_end, kq, ks, vq, vs, ds, k_range, split_channel, ds[b * hq:],
         *k.stride(), *v.stride(),
         hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
         K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
-        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), FUSE_DS=fuse_ds, num_warps=num_warps,
+        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), FUSE_DS=fuse_ds, SPLIT=split,
+        num_warps=num_warps,
     )
     if not fuse_ds:
         delta_scores(k, k_bar, q_bar, ds, hq=hq, sm_scale=sm_scale, kv_start=kv_start, kv_end=kv_end,
                      block_n=block_n, num_warps=num_warps)
-    return QuantizedKV(kq, ks, vq, vs, ds, q_bar, k_bar, v_bar, nk_pad, tiles)
+    return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles)
 
 
 def delta_scores(k, k_bar, q_bar, ds, *, hq: int, sm_scale: float, kv_start, kv_end, block_n: int,
@@ -146,6 +171,7 @@ def triton_attention(
     kv_end: torch.Tensor | None,
     return_lse: bool,
     config: dict | None = None,
+    split_channel: bool = False,
 ) -> torch.Tensor | None:
     """The portable Triton kernel. q (B, Hq, Nq, D), k/v (B, Hk, Nk, D), out like q — all HND views.
     Writes ``out``; returns lse or None."""
@@ -159,19 +185,20 @@ def triton_attention(
     kv_start, kv_end = _key_range(kv_start, kv_end, b, nk, device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=v_fp8, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=block_n,
-                     k_token_scale=config["K_TOKEN_SCALE"])
+                     k_token_scale=config["K_TOKEN_SCALE"], split=split_channel)
     kq_desc = TensorDescriptor.from_tensor(kv.kq, [block_n, d_pad])
     vq_desc = TensorDescriptor.from_tensor(kv.vq, [d_pad, block_n])
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None
     fast(attention_kernel)[(triton.cdiv(nq, block_m), b * hq)](
-        q, kq_desc, kv.ks, vq_desc, kv.vs, kv.ds, kv.q_bar, kv.k_bar, kv.v_bar, kv_start, kv_end, out, lse,
+        q, kq_desc, kv.ks, vq_desc, kv.vs, kv.ds, kv.kc, kv.split, kv.q_bar, kv.k_bar, kv.v_bar,
+        kv_start, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, Q_GROUP=config["Q_GROUP"],
         QK_MAX=INT_MAX[qk], CAUSAL=is_causal, HAS_KV_RANGE=kv_start is not None,
         K_TOKEN_SCALE=config["K_TOKEN_SCALE"], V_FP8=v_fp8,
         P_LOG2=math.log2(P_SCALE["fp8_e4m3"] if v_fp8 else P_SCALE["fp16"]),
-        RETURN_LSE=return_lse, GRID_ROUND=tuning.interpreting(),
+        RETURN_LSE=return_lse, GRID_ROUND=tuning.interpreting(), SPLIT=kv.with_split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return lse
@@ -194,13 +221,15 @@ def hopper_attention(
     return_lse: bool,
     stages: int | None = None,
     persistent: bool | None = None,
+    split_channel: bool = False,
 ) -> torch.Tensor | None:
     """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``."""
     config = tuning.hopper_config(q.shape[-1])
     kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
-                     k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"])
+                     k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"],
+                     split=split_channel)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
                                 pingpong=config["PINGPONG"], persistent=persistent)
@@ -224,13 +253,13 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     items = triton.cdiv(nq, 128) * b * hq  # work items: 128 query rows of one batch·query-head
     grid = min(items, _sm_count(q.device) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
-        q, k_desc, vt_desc, ds_desc, kv.ks, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
+        q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
-        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, sm_scale * LOG2E, sm_scale,
+        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, b * hq, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
         P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, PERSISTENT=persistent,
-        num_warps=4,
+        SPLIT=kv.with_split, num_warps=4,
     )
     return lse
 

@@ -1,8 +1,8 @@
 """Preparing the attention kernel's inputs: smoothing centers, then one pass over K and V.
 
 ``centers_kernel`` — the per-(batch, head) channel means of Q, K and V over an evenly strided
-sample of tokens (see hf_qattn.quant.smoothing_center), and, for per-channel V scales, V's range
-per channel over all keys: one launch for all of it.
+sample of tokens (see hf_qattn.quant.smoothing_center), K's range per channel over all keys (for
+the split channel, below) and, for per-channel V scales, V's: one launch for all of it.
 
 ``quantize_kv_kernel`` — one program per (key tile of BLOCK_N tokens, batch·kv-head). It reads
 the tile of K and V once (any layout, by strides) and writes, into buffers padded to whole tiles
@@ -15,10 +15,19 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
     vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel); or, with V_CHANNEL_SCALE, (B·Hk, 2, D_PAD)
                                         V's range per channel over all keys (written by ``centers_kernel``,
                                         read here), from which δV = max |V − v̄| / 448
-    ds   fp32  (B·Hq, NK_PAD)           ΔS·sm_scale·log2 e for each query head of the group, −inf
-                                        for keys outside [kv_start, kv_end) and padding keys — with
-                                        FUSE_DS; else ``delta_scores_kernel`` writes it, a step of its
-                                        own (ΔS depends on Q, K̂ and V̂ do not)
+    ds   fp32  (B·Hq [+ B·Hk], NK_PAD)  rows [0, B·Hq): ΔS·sm_scale·log2 e for each query head of the
+                                        group, −inf for keys outside [kv_start, kv_end) and padding keys
+                                        — with FUSE_DS; else ``delta_scores_kernel`` writes them, a step
+                                        of its own (ΔS depends on Q, K̂ and V̂ do not). With SPLIT, rows
+                                        B·Hq + b·Hk: kc, the split channel of K − k̄ per key (below)
+    split int32 (B·Hk,)                 with SPLIT: the kv head's split channel c*, or −1, from K's range
+                                        over all keys (``centers_kernel`` finds it, as V's)
+
+The split channel (SPLIT, an option: one per kv head): a channel whose range over all keys, max |K − k̄|, is at
+least SPLIT_RATIO times the mean range of the head's channels. One such channel — e.g. large values
+of both signs, which smoothing cannot remove — would set every block scale of K and crush the other
+channels to a few levels. It is taken out of K̂ (zeroed before the scale) and kept in float as kc; the
+attention kernels add (q_c* − q̄_c*)·kc·sm_scale·log2 e to each score: exact, rank one, like ΔS.
 
 Padding rows and columns of kq / vq are written as zeros. With PERMUTE_V, V̂ᵀ's columns follow
 the Hopper kernel's key order (``_v_token``). A K group holding NaN/±Inf gets a NaN scale, so
@@ -29,6 +38,10 @@ import triton
 import triton.language as tl
 
 from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
+
+# A channel whose sampled range reaches this many times the head's mean channel range is split out
+# of K̂ (hf_qattn.quant.SPLIT_RATIO; the reference uses the same rule).
+SPLIT_RATIO = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -46,16 +59,31 @@ def _sampled_mean(base, stride_n, stride_d, n, step, cols, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _range_tile(X, RANGE, bh, tile, HK, stride_b, stride_h, stride_n, stride_d, N, cols,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(max X, max −X) per channel over one tile of keys, merged into RANGE[bh] (−inf-initialized)."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (rows < N)[:, None] & (cols < HEAD_DIM)[None, :]
+    x = tl.load(X + (bh // HK).to(tl.int64) * stride_b + (bh % HK) * stride_h + rows[:, None] * stride_n
+                + cols[None, :] * stride_d, mask=inside, other=0.0).to(tl.float32)
+    tl.atomic_max(RANGE + bh * 2 * D_PAD + cols, tl.max(tl.where(inside, x, float("-inf")), axis=0), sem="relaxed")
+    tl.atomic_max(RANGE + (bh * 2 + 1) * D_PAD + cols, tl.max(tl.where(inside, -x, float("-inf")), axis=0),
+                  sem="relaxed")
+
+
+@triton.jit
 def centers_kernel(
-    Q, K, V, CENTERS, V_RANGE,
+    Q, K, V, CENTERS, V_RANGE, K_RANGE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, V_TILES,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, WITH_V_RANGE: tl.constexpr,
+    WITH_K_RANGE: tl.constexpr,
 ):
     """CENTERS rows: [q̄ of each b·Hq | k̄ of each b·Hk | v̄ of each b·Hk]; zeros where smoothing is off.
+    With WITH_K_RANGE the same for K into K_RANGE, from which the K/V pass picks the split channel.
     With WITH_V_RANGE also V's range per channel over all keys: V_RANGE[b·Hk] = (max V, max −V)
     (−inf-initialized, one program per key tile). That needs no v̄, so one launch serves both:
     max |V − v̄| = max(max V − v̄, v̄ + max −V), exactly (float rounding is monotonic)."""
@@ -80,18 +108,17 @@ def centers_kernel(
             mean = _sampled_mean(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh,
                                  stride_vn, stride_vd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
         tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
-    else:
+    else:  # range programs: V's key tiles (WITH_V_RANGE), then K's (WITH_K_RANGE)
+        t = pid - NUM_Q - 2 * NUM_KV
         if WITH_V_RANGE:
-            t = pid - NUM_Q - 2 * NUM_KV
-            bh = t // V_TILES
-            rows = (t % V_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-            inside = (rows < NK)[:, None] & col_ok[None, :]
-            v = tl.load(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh + rows[:, None] * stride_vn
-                        + cols[None, :] * stride_vd, mask=inside, other=0.0).to(tl.float32)
-            tl.atomic_max(V_RANGE + bh * 2 * D_PAD + cols, tl.max(tl.where(inside, v, float("-inf")), axis=0),
-                          sem="relaxed")
-            tl.atomic_max(V_RANGE + (bh * 2 + 1) * D_PAD + cols, tl.max(tl.where(inside, -v, float("-inf")), axis=0),
-                          sem="relaxed")
+            if t < NUM_KV * V_TILES:
+                _range_tile(V, V_RANGE, t // V_TILES, t % V_TILES, HK, stride_vb, stride_vh, stride_vn, stride_vd,
+                            NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
+            t -= NUM_KV * V_TILES
+        if WITH_K_RANGE:
+            if t >= 0:
+                _range_tile(K, K_RANGE, t // V_TILES, t % V_TILES, HK, stride_kb, stride_kh, stride_kn, stride_kd,
+                            NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
 
 
 @triton.jit
@@ -99,6 +126,21 @@ def v_channel_absmax(V_RANGE, bh, v_bar, cols, D_PAD: tl.constexpr):
     """max |V − v̄| per channel of kv head ``bh`` from its range (see centers_kernel); −inf on padding channels."""
     return tl.maximum(tl.load(V_RANGE + bh * 2 * D_PAD + cols) - v_bar,
                       v_bar + tl.load(V_RANGE + (bh * 2 + 1) * D_PAD + cols))
+
+
+@triton.jit
+def _split_channel(K_RANGE, K_BAR, bh, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The kv head's split channel (see the module docstring), or −1, from K's range over all keys:
+    range_c = max |K_c − k̄_c| = max(max K_c − k̄_c, k̄_c + max −K_c)."""
+    col_ok = cols < HEAD_DIM
+    k_bar = tl.load(K_BAR + bh * HEAD_DIM + cols, mask=col_ok, other=0.0)
+    spread = tl.maximum(tl.load(K_RANGE + bh * 2 * D_PAD + cols) - k_bar,
+                        k_bar + tl.load(K_RANGE + (bh * 2 + 1) * D_PAD + cols))
+    spread = tl.where(col_ok, spread, 0.0)
+    top = tl.max(spread, axis=0)
+    # not for a non-finite channel: NaN/±Inf stay in K̂, whose NaN scale makes the rows they reach NaN
+    split = (top > 0.0) & (top < float("inf")) & (top >= SPLIT_RATIO * (tl.sum(spread, axis=0) / HEAD_DIM))
+    return tl.where(split, tl.argmax(spread, axis=0), -1)
 
 
 @triton.jit
@@ -170,13 +212,14 @@ def delta_scores_kernel(
 @triton.jit
 def quantize_kv_kernel(
     K, V, K_BAR, V_BAR, Q_BAR, KV_START, KV_END,
-    KQ, KS, VQ, VS, DS,
+    KQ, KS, VQ, VS, DS, K_RANGE, SPLIT_CHANNEL, KC,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, V_CHANNEL_SCALE: tl.constexpr,
     PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, FUSE_DS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -188,6 +231,16 @@ def quantize_kv_kernel(
 
     # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
     k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
+    if FUSE_DS:  # ΔS from this tile while K is in registers (saves delta_scores_kernel's read of K)
+        _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
+                           HEAD_DIM, HAS_KV_RANGE)
+    if SPLIT:  # the split channel leaves K̂ (before the scale: it must not set it) and is kept in float as kc
+        channel = _split_channel(K_RANGE, K_BAR, bh, cols, HEAD_DIM, D_PAD)
+        if tile == 0:
+            tl.store(SPLIT_CHANNEL + bh, channel)  # for the attention kernel (Q's part of the term)
+        is_split = (cols == channel)[None, :]
+        tl.store(KC + bh * NK_PAD + rows, tl.sum(tl.where(is_split, k, 0.0), axis=1))
+        k = tl.where(is_split, 0.0, k)
     if K_TOKEN_SCALE:
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / QK_MAX
         tl.store(KS + bh * NK_PAD + rows, _nan_unless_finite(k_scale, tl.sum(k, axis=1)))
@@ -197,10 +250,6 @@ def quantize_kv_kernel(
         tl.store(KS + bh * NUM_TILES + tile, _nan_unless_finite(k_scale, tl.sum(tl.sum(k, axis=1), axis=0)))
         kq = quantize_symmetric(k, k_scale, QK_MAX, GRID_ROUND)
     tl.store(KQ + (bh.to(tl.int64) * NK_PAD + rows[:, None]) * D_PAD + cols[None, :], kq)
-
-    if FUSE_DS:  # ΔS from this tile while K is in registers (saves delta_scores_kernel's read of K)
-        _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
-                           HEAD_DIM, HAS_KV_RANGE)
 
     tl.debug_barrier()  # K's tile is dead here: keep V's loads below it, or both tiles spill registers
     # --- V: subtract v̄, scale per channel over this tile, FP8 E4M3 (or FP16 where no FP8 MMA).

@@ -29,6 +29,10 @@ SHIPPED = [
     for d in (64, 128)
     for causal, lse, kv_range, dtype in ((False, False, False, "fp16"), (True, True, True, "bf16"),
                                          (True, False, False, "fp16"), (False, True, True, "fp16"))
+] + [  # qattn(split_channel=True): K's split channel, heaviest configurations
+    {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": True, "return_lse": True,
+     "has_kv_range": True, "dtype": "bf16", "persistent": tuning.hopper_config(d)["PERSISTENT"], "split": True}
+    for d in (64, 128)
 ]
 
 _PROBE = """
@@ -100,7 +104,7 @@ def test_kv_pass_writes_minus_inf_delta_s_outside_key_ranges_and_padding():
     b, hq, hk, n, d = 2, 4, 2, 300, 64
     q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
     start, end = torch.tensor([0, 37], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
-    ds = _hopper_pass(q, k, v, start, end).ds.view(b, hq, -1)
+    ds = _hopper_pass(q, k, v, start, end).delta_s.view(b, hq, -1)
     keys = torch.arange(ds.shape[-1])
     for batch in range(b):
         outside = (keys < start[batch]) | (keys >= end[batch])
@@ -126,7 +130,7 @@ def test_delta_s_as_its_own_step_equals_the_fused_one():
     k_centered = k - fused.k_bar.view(b, hk, 1, d)
     want = torch.einsum("bgd,bgnd->bgn", fused.q_bar.view(b, hk, hq // hk, d).flatten(1, 2),
                         k_centered.repeat_interleave(hq // hk, dim=1)) * 0.3 * launch.LOG2E
-    got = fused.ds.view(b, hq, -1)[..., :n]
+    got = fused.delta_s.view(b, hq, -1)[..., :n]
     inside = (torch.arange(n) >= start.view(-1, 1, 1)) & (torch.arange(n) < end.view(-1, 1, 1))
     torch.testing.assert_close(got[inside.expand_as(got)], want[inside.expand_as(want)], rtol=1e-5, atol=1e-5)
 

@@ -36,11 +36,12 @@ def outlier_qkv(b, hq, hk, nq, nk, d, dtype):
     return tuple(t.to(device=DEVICE, dtype=dtype) for t in (make(hq, nq, 3.0), make(hk, nk, 8.0), make(hk, nk, 2.0)))
 
 
-def kernel_and_reference(q, k, v, *, layout="HND", causal=False, qk="int8", kv_start=None, kv_end=None):
+def kernel_and_reference(q, k, v, *, layout="HND", causal=False, qk="int8", kv_start=None, kv_end=None,
+                         split_channel=False):
     """(kernel out, kernel lse, reference out, reference lse), all HND; reference with the kernel's tiles."""
     args = (q, k, v) if layout == "HND" else tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
     out, lse = hf_qattn.qattn(*args, is_causal=causal, qk=qk, layout=layout, kv_start=kv_start, kv_end=kv_end,
-                              return_lse=True, backend="triton")
+                              return_lse=True, backend="triton", split_channel=split_channel)
     if layout == "NHD":
         out = out.transpose(1, 2)
     config = tuning.attention_config(tuning.arch_of(q.device), q.shape[-1], causal, "fp8", qk)
@@ -49,7 +50,8 @@ def kernel_and_reference(q, k, v, *, layout="HND", causal=False, qk="int8", kv_s
     centers = tuple(c.view(t.shape[0], t.shape[1], -1) for c, t in
                     zip(launch.smoothing_centers(q, k, v, True, True, True), (q, k, v)))
     ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=causal, qk=qk, kv_start=kv_start, kv_end=kv_end,
-                                                 return_lse=True, centers=centers, **tuning.reference_settings(config))
+                                                 return_lse=True, centers=centers, split_channel=split_channel,
+                                                 **tuning.reference_settings(config))
     return out, lse, ref, ref_lse
 
 
@@ -121,7 +123,7 @@ def test_outputs_are_fully_written(seed):
 
 # --- mutants: the check above must catch a broken kernel -------------------------------------------
 MUTATIONS = {
-    "drop ΔS": ("s += tl.load(DS_bhq + offs_n)[None, :]", "s += 0.0 * tl.load(DS_bhq + offs_n)[None, :]"),
+    "drop ΔS": ("bias = tl.load(DS_bhq + offs_n)[None, :]", "bias = 0.0 * tl.load(DS_bhq + offs_n)[None, :]"),
     "drop v̄": ("acc / l_safe[:, None] + v_bar[None, :]", "acc / l_safe[:, None]"),
     "causal diagonal top-left": ("diag_offset = NK - NQ", "diag_offset = NK * 0"),
 }
@@ -149,3 +151,37 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
     monkeypatch.setattr(launch, "attention_kernel", mutant_kernel(tmp_path, *MUTATIONS[name]))
     out, lse, ref, ref_lse = kernel_and_reference(q, k, v, causal=True)
     assert mismatch(out, ref, lse, ref_lse) is not None, f"the mutant '{name}' passed the check"
+
+
+# --- the split channel: one zero-mean outlier channel of K, computed in float outside K̂ ------------
+def zero_mean_outlier_qkv(b, hq, hk, n, d, channel, dtype, size=300.0):
+    q, k, v = (torch.randn(b, h, n, d) for h in (hq, hk, hk))
+    k[..., ::2, channel], k[..., 1::2, channel] = size, -size  # smoothing cannot remove it (mean 0)
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_channel_kernel_matches_reference(seed, causal):
+    q, k, v = zero_mean_outlier_qkv(2, 4, 2, 70, 32, channel=5, dtype=torch.float16)
+    k[1, 1] = torch.randn_like(k[1, 1])  # one kv head without an outlier: no split there
+    kv = launch.quantize_kv(q, k, v, sm_scale=0.2, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
+                            smooth_v=True, kv_start=None, kv_end=None, block_n=16, k_token_scale=False, split=True)
+    assert kv.split.tolist() == [5, 5, 5, -1]
+    k_bar = kv.k_bar.view(2, 2, -1)
+    assert kv.split.tolist() == hf_qattn.quant.split_channel(k, k_bar).flatten().tolist()
+    want = (k.float() - k_bar[:, :, None])[..., 5] * (kv.split >= 0).view(2, 2, 1)
+    assert torch.equal(kv.kc.view(2, 2, -1)[:, :, :70], want)
+    out, lse, ref, ref_lse = kernel_and_reference(q, k, v, causal=causal, split_channel=True)
+    assert mismatch(out, ref, lse, ref_lse) is None, mismatch(out, ref, lse, ref_lse)
+    exact = reference.exact_attention(q, k, v, is_causal=causal)
+    assert accuracy(out, exact).cos_sim > 0.99, accuracy(out, exact)
+    plain, *_ = kernel_and_reference(q, k, v, causal=causal)  # the default: no split, the outlier crushes K̂
+    assert accuracy(plain, exact).cos_sim < 0.95
+
+
+def test_dropping_the_split_term_fails_the_check(seed, tmp_path, monkeypatch):
+    q, k, v = zero_mean_outlier_qkv(1, 2, 2, 40, 32, channel=3, dtype=torch.float16)
+    old = "bias += q_split[:, None] * tl.load(KC_bhk + offs_n)[None, :]"
+    monkeypatch.setattr(launch, "attention_kernel", mutant_kernel(tmp_path, old, "bias += 0.0 * q_split[:, None]"))
+    out, lse, ref, ref_lse = kernel_and_reference(q, k, v, split_channel=True)
+    assert mismatch(out, ref, lse, ref_lse) is not None

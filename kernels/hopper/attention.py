@@ -6,8 +6,10 @@ each, or, with PERSISTENT, many to each of one CTA per SM.
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
 (``kernels/quantize.py``), in buffers padded to whole 128-key tiles and head dims of 64 or 128:
 K̂ int8 (B·Hk·NK_PAD, D_PAD) with δK per tile (or per token), V̂ᵀ FP8 (B·Hk·D_PAD, NK_PAD) with
-keys permuted inside 32-key groups and V's per-channel range, ΔS per (query head, key) — all three
-through TMA descriptors, loaded by the loader warp — and the smoothing centers. GQA/MQA: query head
+keys permuted inside 32-key groups and V's per-channel range, ΔS per (query head, key) and the split
+channel of K per (kv head, key) — through TMA descriptors, loaded by the loader warp — and the
+smoothing centers. SPLIT (an option, ``qattn(split_channel=True)``): K's split channel per kv head
+adds its rank-one term to the scores (kernels/quantize.py says which channel and why). GQA/MQA: query head
 h reads K/V head h // GROUPS, no copies.
 """
 
@@ -23,13 +25,13 @@ BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroup
 
 
 @gluon.jit
-def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_smem, k_smem, v_smem, ds_smem,
-                 kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
+def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem, k_smem, v_smem,
+                 ds_smem, kc_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
                  stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
                  WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
                  K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 PINGPONG: gl.constexpr, SPLIT: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
     position after it (``base`` + its key tiles)."""
     BM: gl.constexpr = 64
@@ -48,11 +50,11 @@ def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q
         KS_bh = KS + bhk.to(gl.int64) * NUM_TILES
     cta_row0 = m_block * BLOCK_M
     row0 = cta_row0 + WARPGROUP * BM
-    q_coef = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
-                        score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, qk_layout)
-    acc, l_i, m_i = attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, base, end,
-                           cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL, K_TOKEN_SCALE,
-                           P_LOG2, PINGPONG, qk_layout, o_layout)
+    q_coef, q_split = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, SPLIT_CHANNEL + bhk, row0, stride_qb, stride_qh,
+                                 stride_qn, stride_qd, NQ, score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, SPLIT, qk_layout)
+    acc, l_i, m_i = attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, turn,
+                           KS_bh, base, end, cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL,
+                           K_TOKEN_SCALE, P_LOG2, PINGPONG, SPLIT, qk_layout, o_layout)
     store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
                  stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
                  HEAD_DIM, D_PAD, BM, P_LOG2, RETURN_LSE, o_layout)
@@ -60,39 +62,40 @@ def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q
 
 
 @gluon.jit
-def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
-             kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kc_smem,
+             kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
              HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
              WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
              K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
-             PERSISTENT: gl.constexpr):
+             PERSISTENT: gl.constexpr, SPLIT: gl.constexpr):
     q_smem = q_all.index(WARPGROUP)
     if PERSISTENT:
         first, step = item_range(NUM_ITEMS, PERSISTENT)
         base = 0  # the ring's tiles consumed before this item (the loader counts alike)
         for t in range(first, NUM_ITEMS, step):
-            base = consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_smem, k_smem,
-                                v_smem, ds_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn,
+            base = consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem, k_smem,
+                                v_smem, ds_smem, kc_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn,
                                 stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                                 NUM_TILES, score_coef, sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES,
-                                QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)
+                                QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG, SPLIT)
     else:
-        consume_item(gl.program_id(0), 0, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_smem, k_smem,
-                     v_smem, ds_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd,
+        consume_item(gl.program_id(0), 0, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem,
+                     k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd,
                      stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
                      sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE,
-                     K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG)
+                     K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG, SPLIT)
 
 
 @gluon.jit
 def attention_kernel(
-    Q, k_desc, vt_desc, ds_desc, KS, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
+    Q, k_desc, vt_desc, ds_desc, KS, SPLIT_CHANNEL, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
+    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale,
     HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     # ping-pong's turn barriers count tiles per item; a persistent CTA would need them counted across items
     gl.static_assert(not (PINGPONG and PERSISTENT), "PINGPONG and PERSISTENT do not combine")
@@ -101,6 +104,7 @@ def attention_kernel(
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     ds_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
+    kc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)  # split channel of K
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong
@@ -111,17 +115,17 @@ def attention_kernel(
         mbarrier.init(turn.index(i), count=1)
 
     gl.warp_specialize([
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
-                    kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem,
+                    kc_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
                     stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
                     0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                    RETURN_LSE, PINGPONG, PERSISTENT)),
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kv_ready,
-                    kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                    RETURN_LSE, PINGPONG, PERSISTENT, SPLIT)),
+        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem,
+                    kc_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
                     stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
                     1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                    RETURN_LSE, PINGPONG, PERSISTENT)),
-        (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KV_END,
-                   HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, BLOCK_M, BLOCK_N, D_PAD, STAGES, CAUSAL, HAS_KV_RANGE,
-                   PERSISTENT)),
+                    RETURN_LSE, PINGPONG, PERSISTENT, SPLIT)),
+        (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, KV_END,
+                   HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, KC_ROW0, BLOCK_M, BLOCK_N, D_PAD, STAGES, CAUSAL, HAS_KV_RANGE,
+                   PERSISTENT, SPLIT)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -1,4 +1,4 @@
-"""The producer: one warp that streams K̂, V̂ᵀ and ΔS tiles into a ring of shared-memory stages.
+"""The producer: one warp that streams K̂, V̂ᵀ, ΔS and split-channel (kc) tiles into a ring of shared-memory stages.
 
 Stage s is filled when ``kv_empty[s]`` says both consumer warpgroups released it, and announced
 on ``kv_ready[s]`` with the byte count the TMA engine will deliver. The consumers wait on ready,
@@ -12,10 +12,10 @@ from .scheduler import item_range, key_tiles, work_item
 
 
 @gluon.jit
-def load_kv(k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empty, KV_END,
-            HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def load_kv(k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, KV_END,
+            HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, KC_ROW0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             D_PAD: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
-            PERSISTENT: gl.constexpr):
+            PERSISTENT: gl.constexpr, SPLIT: gl.constexpr):
     first, step = item_range(NUM_ITEMS, PERSISTENT)
     g = 0
     for t in range(first, NUM_ITEMS, step):
@@ -26,13 +26,17 @@ def load_kv(k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kv_ready, kv_empt
         k_row0 = (bhk * NK_PAD).to(gl.int32)
         vt_row0 = (bhk * D_PAD).to(gl.int32)
         ds_row0 = (bhq * NK_PAD).to(gl.int32)
+        kc_row0 = ((KC_ROW0 + bhk) * NK_PAD).to(gl.int32)  # kc rows follow the ΔS rows in one buffer
         for i in range(end):
             s = g % STAGES
             mbarrier.wait(kv_empty.index(s), ((g // STAGES) & 1) ^ 1)  # first pass: passes at once
             ready = kv_ready.index(s)
-            mbarrier.expect(ready, k_desc.block_type.nbytes + vt_desc.block_type.nbytes + ds_desc.block_type.nbytes)
+            mbarrier.expect(ready, k_desc.block_type.nbytes + vt_desc.block_type.nbytes
+                            + (2 if SPLIT else 1) * ds_desc.block_type.nbytes)
             start = i * BLOCK_N
             tma_load(k_desc, [k_row0 + start, 0], ready, k_smem.index(s))
             tma_load(vt_desc, [vt_row0, start], ready, v_smem.index(s))
             tma_load(ds_desc, [ds_row0 + start], ready, ds_smem.index(s))
+            if SPLIT:
+                tma_load(ds_desc, [kc_row0 + start], ready, kc_smem.index(s))
             g += 1

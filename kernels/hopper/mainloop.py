@@ -10,7 +10,8 @@ cores, the softmax of tile j+1 runs on the FP32/MUFU units:
 
     issue  S(j+1) = Q̂·K̂(j+1)ᵀ          INT8 wgmma, int32 accumulator
     issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O
-    wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS,  m, l,  P = 2^(s − m + log2 448)
+    wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS + qc·kc,  m, l,  P = 2^(s − m + log2 448)
+                                   (qc·kc: K's split channel, rank one; only for kv heads that have one)
     wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)
 
 P is produced at the FP8 scale directly (448 = E4M3's largest value, folded into exp2). Keys are
@@ -24,10 +25,12 @@ _ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5·2^23: x + M − M rounds a float
 
 
 @gluon.jit
-def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ, score_coef,
-               HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BM: gl.constexpr, QK_MAX: gl.constexpr,
-               qk_layout: gl.constexpr):
-    """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e."""
+def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, split_ptr, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
+               score_coef, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BM: gl.constexpr, QK_MAX: gl.constexpr,
+               SPLIT: gl.constexpr, qk_layout: gl.constexpr):
+    """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e
+    and, with SPLIT, its part of the split channel's score term, (q_c − q̄_c)·sm_scale·log2 e (c from
+    ``split_ptr``; 0 when it is −1)."""
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
     cols = gl.arange(0, D_PAD, layout=gl.SliceLayout(0, blocked))
@@ -52,7 +55,11 @@ def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, row0, stride_qb, stride_qh, stride_q
     row_sum = gl.sum(qs, axis=1)
     finite = (row_sum == row_sum) & (gl.abs(row_sum) < float("inf"))
     q_coef = gl.where(finite, q_scale * score_coef, float("nan"))
-    return gl.convert_layout(q_coef, gl.SliceLayout(1, qk_layout))
+    q_split = q_coef
+    if SPLIT:
+        q_split = gl.sum(gl.where((cols == gl.load(split_ptr))[None, :], qs, 0.0), axis=1) * score_coef
+    row: gl.constexpr = gl.SliceLayout(1, qk_layout)
+    return gl.convert_layout(q_coef, row), gl.convert_layout(q_split, row)
 
 
 @gluon.jit
@@ -65,14 +72,16 @@ def _k_scale(KS_bh, tile, BLOCK_N: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, co
 
 
 @gluon.jit
-def _softmax(qk, q_coef, ds, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
+def _softmax(qk, q_coef, q_split, ds, kc_tile, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
              BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-             P_LOG2: gl.constexpr, qk_layout: gl.constexpr):
+             P_LOG2: gl.constexpr, SPLIT: gl.constexpr, qk_layout: gl.constexpr):
     """One tile of the online softmax in base 2; P comes out at the FP8 scale (×448)."""
     if K_TOKEN_SCALE:
         s = qk.to(gl.float32) * (q_coef[:, None] * k_scale[None, :]) + ds[None, :]
     else:
         s = qk.to(gl.float32) * (q_coef * k_scale)[:, None] + ds[None, :]
+    if SPLIT:  # the rank-one term of K's split channel (kc and q_split are 0 for kv heads without one)
+        s += q_split[:, None] * kc_tile.load(gl.SliceLayout(0, qk_layout))[None, :]
     # keys outside [kv_start, kv_end) and padding keys already hold ΔS = −inf (the K/V pass wrote it);
     # only the causal diagonal is masked here, in the few tiles that cross it
     start = tile * BLOCK_N
@@ -111,10 +120,10 @@ def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS_bh, base, end, first_row, row0, NQ,
-           NK, WARPGROUP: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr,
+def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, turn, KS_bh, base, end,
+           first_row, row0, NQ, NK, WARPGROUP: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr,
            STAGES: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr,
-           PINGPONG: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
+           PINGPONG: gl.constexpr, SPLIT: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """The main loop over key tiles [0, end): returns (O unnormalized, l, m). ``base`` counts the ring's
     tiles before this work item (the ring runs on across a persistent CTA's items): tile i sits in
     stage (base + i) % STAGES.
@@ -142,8 +151,9 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS
         qk = warpgroup_mma(q_smem, k_smem.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         _pass_turn(turn, WARPGROUP, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, 0, first_row, row0,
-                                      NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, qk_layout)
+        p, alpha, m_i, l_i = _softmax(qk, q_coef, q_split, ds, kc_smem.index(s0), k_scale, m_i, l_i, 0,
+                                      first_row, row0, NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, SPLIT,
+                                      qk_layout)
         # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
         # into bytes by the lowering (about 200 extra instructions a tile).
         for i in range(end - 1):
@@ -158,8 +168,9 @@ def attend(q_smem, q_coef, k_smem, v_smem, ds_smem, kv_ready, kv_empty, turn, KS
             _pass_turn(turn, WARPGROUP, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
             ds = ds_smem.index(s1).load(col)
-            p, alpha, m_i, l_i = _softmax(qk, q_coef, ds, k_scale, m_i, l_i, i + 1, first_row, row0,
-                                          NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, qk_layout)
+            p, alpha, m_i, l_i = _softmax(qk, q_coef, q_split, ds, kc_smem.index(s1), k_scale, m_i, l_i,
+                                          i + 1, first_row, row0, NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2,
+                                          SPLIT, qk_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(s), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]

@@ -25,7 +25,7 @@ def _tool(name: str) -> str:
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int = 3,
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16", pingpong: bool = False,
-                 persistent: bool = False):
+                 persistent: bool = False, split: bool = False):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -44,7 +44,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         return f"tensordesc<{type_name}[{size}],{layout!r}>"
 
     signature = {
-        "Q": f"*{dtype}", "k_desc": descriptor("i8", gl.int8, [block_n, d_pad]), "KS": "*fp32",
+        "Q": f"*{dtype}", "k_desc": descriptor("i8", gl.int8, [block_n, d_pad]), "KS": "*fp32", "SPLIT_CHANNEL": "*i32",
         "ds_desc": descriptor1d("fp32", gl.float32, block_n),
         "vt_desc": descriptor("fp8e4nv", gl.float8e4nv, [d_pad, block_n]),
         "Q_BAR": "*fp32", "K_BAR": "*fp32", "V_BAR": "*fp32", "V_SCALE": "*fp32",
@@ -52,11 +52,11 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "stride_qd": "i32",
         "stride_ob": "i32", "stride_oh": "i32", "stride_on": "i32", "stride_od": "i32",
         "HQ": "i32", "GROUPS": "i32", "NQ": "i32", "NK": "i32", "NK_PAD": "i32", "NUM_TILES": "i32", "NUM_ITEMS": "i32",
-        "score_coef": "fp32", "sm_scale": "fp32",
+        "KC_ROW0": "i32", "score_coef": "fp32", "sm_scale": "fp32",
     }
     constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
-                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse, "PINGPONG": pingpong, "PERSISTENT": persistent}
+                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse, "PINGPONG": pingpong, "PERSISTENT": persistent, "SPLIT": split}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
