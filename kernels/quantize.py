@@ -23,10 +23,10 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
     split int32 (B·Hk,)                 with SPLIT: the kv head's split channel c*, or −1, from K's range
                                         over all keys (``centers_kernel`` finds it, as V's)
 
-The split channel (SPLIT, an option: one per kv head): a channel whose range over all keys, max |K − k̄|, is at
-least SPLIT_RATIO times the mean range of the head's channels. One such channel — e.g. large values
-of both signs, which smoothing cannot remove — would set every block scale of K and crush the other
-channels to a few levels. It is taken out of K̂ (zeroed before the scale) and kept in float as kc; the
+The split channel (SPLIT, an option; one per kv head): a channel whose range over all keys,
+max |K − k̄|, is at least SPLIT_RATIO times the mean range of the head's channels. One such channel
+— e.g. large values of both signs, which smoothing cannot remove — would set every block scale of K
+and crush the other channels to a few levels. It is taken out of K̂ (zeroed before the scale) and kept in float as kc; the
 attention kernels add (q_c* − q̄_c*)·kc·sm_scale·log2 e to each score: exact, rank one, like ΔS.
 
 Padding rows and columns of kq / vq are written as zeros. With PERMUTE_V, V̂ᵀ's columns follow
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
-# A channel whose sampled range reaches this many times the head's mean channel range is split out
+# A channel whose range over all keys reaches this many times the head's mean channel range is split out
 # of K̂ (hf_qattn.quant.SPLIT_RATIO; the reference uses the same rule).
 SPLIT_RATIO = tl.constexpr(8.0)
 
@@ -77,7 +77,7 @@ def centers_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, V_TILES,
+    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, KEY_TILES,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, WITH_V_RANGE: tl.constexpr,
     WITH_K_RANGE: tl.constexpr,
@@ -111,14 +111,14 @@ def centers_kernel(
     else:  # range programs: V's key tiles (WITH_V_RANGE), then K's (WITH_K_RANGE)
         t = pid - NUM_Q - 2 * NUM_KV
         if WITH_V_RANGE:
-            if t < NUM_KV * V_TILES:
-                _range_tile(V, V_RANGE, t // V_TILES, t % V_TILES, HK, stride_vb, stride_vh, stride_vn, stride_vd,
-                            NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
-            t -= NUM_KV * V_TILES
+            if t < NUM_KV * KEY_TILES:
+                _range_tile(V, V_RANGE, t // KEY_TILES, t % KEY_TILES, HK, stride_vb, stride_vh, stride_vn,
+                            stride_vd, NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
+            t -= NUM_KV * KEY_TILES
         if WITH_K_RANGE:
             if t >= 0:
-                _range_tile(K, K_RANGE, t // V_TILES, t % V_TILES, HK, stride_kb, stride_kh, stride_kn, stride_kd,
-                            NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
+                _range_tile(K, K_RANGE, t // KEY_TILES, t % KEY_TILES, HK, stride_kb, stride_kh, stride_kn,
+                            stride_kd, NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
 
 
 @triton.jit
