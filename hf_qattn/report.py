@@ -4,6 +4,8 @@ alone), the same score label, the int8 entries of the plan marked.
 - :func:`plot_layer_scores`: a point per layer (mean INT4 score, worst input as a tick, joined by a
   line), for :func:`hf_qattn.calibrate`'s result. Points, not bars: the scores sit near 1, so the axis
   is zoomed, and a bar on a zoomed axis would show its length, not its value, as the difference;
+- :func:`plot_layer_sensitivity`: a bar per layer from zero (the mean of an end-to-end objective's
+  metric: KL or NLL change, worst input as a tick), for the other objectives of :func:`hf_qattn.calibrate`;
 - :func:`plot_scores`: a step × layer heatmap (mean and worst), for
   :func:`hf_qattn.calibrate_pipeline`'s result or a plan it saved (its meta keeps the scores).
 
@@ -64,6 +66,36 @@ def layer_scores_figure(result, title: str):
 def plot_layer_scores(result, path, title: str):
     """Save :func:`layer_scores_figure` as a PNG. Returns the path."""
     layer_scores_figure(result, title).savefig(path, dpi=120)
+    return path
+
+
+def layer_sensitivity_figure(result, title: str, label: str):
+    """Per layer, the objective's mean as a bar from zero (an unzoomed axis: lengths compare), the worst
+    input as a tick, int8 layers in orange; ``label`` says what the value is and which way is better."""
+    layers = sorted(result.scores)
+    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.8), layout="tight")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    means = [result.scores[layer].mean for layer in layers]
+    worst = [result.scores[layer].worst for layer in layers]
+    colors = ["tab:orange" if result.plan.precision(layer) == "int8" else "tab:blue" for layer in layers]
+    ax = figure.subplots()
+    ax.bar(layers, means, color=colors, width=0.7)
+    ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3)
+    ax.axhline(0.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(label, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color="tab:orange", label="int8 (plan)"), Patch(color="tab:blue", label="int4 (plan)"),
+               Line2D([], [], color="black", marker="_", linestyle="", markersize=12, label="worst input")]
+    ax.legend(handles=handles, loc="upper right", fontsize=8)
+    return figure
+
+
+def plot_layer_sensitivity(result, path, title: str, label: str):
+    """Save :func:`layer_sensitivity_figure` as a PNG. Returns the path."""
+    layer_sensitivity_figure(result, title, label).savefig(path, dpi=120)
     return path
 
 

@@ -37,3 +37,20 @@ def test_score_meaning_says_what_and_which_way():
     assert "CosSim·(1 − RelL1)" in SCORE_MEANING and "higher is better" in SCORE_MEANING
     assert "int8" in SCORE_MEANING
 
+
+
+def test_sensitivity_plot_draws_bars_from_zero_and_says_which_way(tmp_path):
+    from hf_qattn.report import layer_sensitivity_figure, plot_layer_sensitivity
+
+    scores = {layer: SimpleNamespace(mean=m, worst=w) for layer, (m, w) in
+              enumerate([(0.02, 0.05), (-0.01, 0.01), (0.08, 0.2), (0.03, 0.04)])}
+    # from_scores marks the lowest int8: rank by the negated gain, as calibrate does for these objectives
+    result = SimpleNamespace(scores=scores, plan=QAttnPlan.from_scores({k: -s.mean for k, s in scores.items()}, 0.25))
+    ax = layer_sensitivity_figure(result, "t", "NLL drop with this layer int8\nhigher = gains more").axes[0]
+    low, high = ax.get_ylim()
+    assert low <= -0.01 and high >= 0.2  # zero, the negative gain and the worst input all on the axis
+    assert len(ax.patches) == 4 and "higher = gains more" in ax.get_ylabel()
+    colors = [tuple(round(c, 3) for c in patch.get_facecolor()[:3]) for patch in ax.patches]
+    assert colors[2] != colors[0]  # the int8 layer (largest gain) stands out
+    path = plot_layer_sensitivity(result, tmp_path / "s.png", "t", "label")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

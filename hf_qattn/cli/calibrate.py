@@ -14,7 +14,7 @@ def _add_calibrate(subparsers) -> None:
         "calibrate", help="score every layer on text and write a 4/8-bit plan into the model config",
         description="Run MODEL_DIR with full-precision attention on lines of --text, score the INT4 kernel at "
                     "every layer, mark the lowest --ratio share int8, and save the model (config with the plan), "
-                    "its tokenizer, scores.json and scores.png into --out.")
+                    "its tokenizer, scores.json and scores.png (score or sensitivity per layer) into --out.")
     parser.add_argument("model_dir", type=Path, help="a transformers model folder (config.json, weights, tokenizer)")
     parser.add_argument("--text", type=Path, required=True, help="text file: one input per line ('#' lines skipped)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
@@ -74,7 +74,6 @@ def run_calibrate(args) -> int:
         plot = save_plot(result, out / "scores.png", f"{model_dir.name}: INT4 score per layer ({len(texts)} inputs)")
         print(f"{SCORE_MEANING}; mean and worst over the inputs:")
     else:
-        plot = None  # the score plot's axis is made for scores near 1
         meaning = {
             "logit-kl": "KL (nats per token) of the final next-token distribution with that layer alone at int4 "
                         "from full precision; higher is more harmed",
@@ -83,6 +82,11 @@ def run_calibrate(args) -> int:
             "ppl-gain": "how much the next-token NLL (nats per token) of the text drops when that layer alone is "
                         "int8 and all others int4; higher gains more",
         }[args.objective]
+        short = {"logit-kl": "KL with this layer int4 (nats/token)\nhigher = more harmed by int4",
+                 "logit-kl-gain": "KL drop with this layer int8 (nats/token)\nhigher = gains more from int8",
+                 "ppl-gain": "NLL drop with this layer int8 (nats/token)\nhigher = gains more from int8"}
+        plot = save_plot(result, out / "scores.png", f"{model_dir.name}: {args.objective} per layer "
+                         f"({len(texts)} inputs)", label=short[args.objective])
         print(f"{args.objective}: per layer, {meaning}; the highest are marked int8 "
               f"({result.forwards} forwards, {result.seconds:.1f} s); mean and worst over the inputs:")
     print(format_table(["layer", "mean", "worst", "inputs", "plan"], score_rows(result)))

@@ -20,11 +20,14 @@ def score_rows(result) -> list[list]:
             for layer, score in sorted(result.scores.items())]
 
 
-def save_plot(result, path: Path, title: str) -> Path | None:
-    """:func:`hf_qattn.report.plot_layer_scores`, or a note and None without matplotlib."""
-    from ..report import plot_layer_scores
+def save_plot(result, path: Path, title: str, label: str | None = None) -> Path | None:
+    """:func:`hf_qattn.report.plot_layer_scores` (attention scores), or with ``label`` (an end-to-end
+    objective's metric) :func:`~hf_qattn.report.plot_layer_sensitivity`; a note and None without matplotlib."""
+    from ..report import plot_layer_scores, plot_layer_sensitivity
 
     try:
+        if label is not None:
+            return plot_layer_sensitivity(result, path, title, label)
         return plot_layer_scores(result, path, title)
     except ImportError:
         print("note: matplotlib is not installed, so no plot was written "
