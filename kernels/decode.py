@@ -100,6 +100,21 @@ def append_kernel(
 
 
 @triton.jit
+def _load_tile(ptrs, n_ok, col_ok, other, MASK_N: tl.constexpr, EVEN: tl.constexpr):
+    """A tile of cached rows: unmasked (16-byte vector loads) when every column is real and no row can run
+    past the end (MASK_N false), masked by rows, or (not EVEN: a padded head dim) by rows and columns;
+    ``other`` fills what the mask leaves out (0 for integer K, 0.0 for FP8 V)."""
+    if EVEN:
+        if MASK_N:
+            tile = tl.load(ptrs, mask=n_ok[:, None], other=other)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=n_ok[:, None] & col_ok[None, :], other=other)
+    return tile
+
+
+@triton.jit
 def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
                  stride_kn, stride_vn, score_coef,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
@@ -110,11 +125,7 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     if INT4:
         c = tl.arange(0, D_PAD // 2)
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + c[None, :]
-        if MASK_N:
-            packed = tl.load(k_ptrs, mask=n_ok[:, None], other=0)
-        else:
-            packed = tl.load(k_ptrs)
+        packed = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c >= 0, 0, MASK_N, True)
         k_lo = (packed << 4).to(tl.int8) >> 4  # sign-extends the low nibble
         k_hi = packed >> 4
         if INTERPRET:  # the interpreter's bf16 dot and int8 → bf16 cast are wrong (3.9); fp32 is exact
@@ -125,14 +136,7 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
                   + tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype))))
     else:
         c = tl.arange(0, D_PAD)
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + c[None, :]
-        if EVEN_D:
-            if MASK_N:
-                k = tl.load(k_ptrs, mask=n_ok[:, None], other=0)
-            else:
-                k = tl.load(k_ptrs)  # unmasked: 16-byte vector loads
-        else:
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & (c < HEAD_DIM)[None, :], other=0)
+        k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
         if INTERPRET:
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -157,14 +161,8 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     offs_d = tl.arange(0, D_PAD)
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
-    if EVEN_D:
-        if MASK_N:
-            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)  # unmasked: 16-byte vector loads
-    else:
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0.0, MASK_N,
+                   EVEN_D)
     p_w = (p * v_scale[None, :]).to(tl.bfloat16)
     if INTERPRET:
         pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
