@@ -152,6 +152,10 @@ def qattn(
     """
     qh, kh, vh = _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end)
     sm_scale = _check_sm_scale(sm_scale)
+    if split_channel is None:
+        split_channel = os.environ.get("HF_QATTN_SPLIT_CHANNEL", "0") == "1"
+    elif not isinstance(split_channel, bool):
+        raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
     b, hq, nq, d = qh.shape
     nk = kh.shape[2]
     if qh.numel() == 0 or kh.numel() == 0:  # a zero-size dimension: nothing to launch
@@ -175,10 +179,6 @@ def qattn(
         out, lse = result if return_lse else (result, None)
         out = out if layout == "HND" else out.transpose(1, 2).contiguous()  # q's layout, as the kernels write it
         return (out, lse) if return_lse else out
-    if split_channel is None:
-        split_channel = os.environ.get("HF_QATTN_SPLIT_CHANNEL", "0") == "1"
-    elif not isinstance(split_channel, bool):
-        raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
     out, lse = ops.run(q, k, v, kv_start, kv_end, path=path, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv=pv,
                        layout=layout, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
                        split_channel=split_channel)

@@ -36,31 +36,39 @@ def _figure(figsize, **options):
     return figure
 
 
-def layer_scores_figure(result, title: str):
-    """The figure :func:`plot_layer_scores` saves: per layer, the mean INT4 score as a point and the worst
-    input as a tick joined to it, int8 layers in orange; the y axis zoomed onto the scores (labelled so)."""
-    layers = sorted(result.scores)
-    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.8), layout="tight")
+def _layer_figure(result, title: str, ylabel: str, draw, marker: str, legend_loc: str):
+    """A per-layer figure: ``draw(ax, layers, means, worst, colors)`` draws the means, then the worst input
+    as a black tick, int8 layers of the plan in orange, and a legend whose plan entries use ``marker``."""
     from matplotlib.lines import Line2D
 
+    layers = sorted(result.scores)
+    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.8), layout="tight")
     means = [result.scores[layer].mean for layer in layers]
     worst = [result.scores[layer].worst for layer in layers]
     colors = ["tab:orange" if result.plan.precision(layer) == "int8" else "tab:blue" for layer in layers]
     ax = figure.subplots()
-    ax.vlines(layers, worst, means, colors=colors, linewidth=1.5)
-    ax.scatter(layers, means, c=colors, s=40, zorder=3)
+    draw(ax, layers, means, worst, colors)
     ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3)
-    low = min(worst + means)
-    ax.set_ylim(max(0.0, low - 0.3 * (1.0 - low) - 1e-4), 1.0)
-    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
     ax.set_xlabel("layer")
-    ax.set_ylabel(LAYER_SCORE_LABEL, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=10)
-    handles = [Line2D([], [], color=color, marker="o", linestyle="", label=label)
+    handles = [Line2D([], [], color=color, marker=marker, linestyle="", markersize=8, label=label)
                for color, label in (("tab:orange", "int8 (plan)"), ("tab:blue", "int4 (plan)"))]
     handles.append(Line2D([], [], color="black", marker="_", linestyle="", markersize=12, label="worst input"))
-    ax.legend(handles=handles, loc="lower right", fontsize=8)
+    ax.legend(handles=handles, loc=legend_loc, fontsize=8)
     return figure
+
+
+def layer_scores_figure(result, title: str):
+    """The figure :func:`plot_layer_scores` saves: per layer, the mean INT4 score as a point and the worst
+    input as a tick joined to it, int8 layers in orange; the y axis zoomed onto the scores (labelled so)."""
+    def draw(ax, layers, means, worst, colors):
+        ax.vlines(layers, worst, means, colors=colors, linewidth=1.5)
+        ax.scatter(layers, means, c=colors, s=40, zorder=3)
+        low = min(worst + means)
+        ax.set_ylim(max(0.0, low - 0.3 * (1.0 - low) - 1e-4), 1.0)
+        ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
+    return _layer_figure(result, title, LAYER_SCORE_LABEL, draw, "o", "lower right")
 
 
 def plot_layer_scores(result, path, title: str):
@@ -72,25 +80,10 @@ def plot_layer_scores(result, path, title: str):
 def layer_sensitivity_figure(result, title: str, label: str):
     """Per layer, the objective's mean as a bar from zero (an unzoomed axis: lengths compare), the worst
     input as a tick, int8 layers in orange; ``label`` says what the value is and which way is better."""
-    layers = sorted(result.scores)
-    figure = _figure((max(4.0, 0.45 * len(layers) + 2), 3.8), layout="tight")
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    means = [result.scores[layer].mean for layer in layers]
-    worst = [result.scores[layer].worst for layer in layers]
-    colors = ["tab:orange" if result.plan.precision(layer) == "int8" else "tab:blue" for layer in layers]
-    ax = figure.subplots()
-    ax.bar(layers, means, color=colors, width=0.7)
-    ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3)
-    ax.axhline(0.0, color="gray", linewidth=0.8)
-    ax.set_xlabel("layer")
-    ax.set_ylabel(label, fontsize=8)
-    ax.set_title(title, fontsize=10)
-    handles = [Patch(color="tab:orange", label="int8 (plan)"), Patch(color="tab:blue", label="int4 (plan)"),
-               Line2D([], [], color="black", marker="_", linestyle="", markersize=12, label="worst input")]
-    ax.legend(handles=handles, loc="upper right", fontsize=8)
-    return figure
+    def draw(ax, layers, means, worst, colors):
+        ax.bar(layers, means, color=colors, width=0.7)
+        ax.axhline(0.0, color="gray", linewidth=0.8)
+    return _layer_figure(result, title, label, draw, "s", "upper right")
 
 
 def plot_layer_sensitivity(result, path, title: str, label: str):

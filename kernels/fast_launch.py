@@ -118,8 +118,7 @@ class FastLauncher:
         if _mode() != "check":
             return None
         binder = self.jit_fn.device_caches[device][4]
-        options = {k: v for k, v in kwargs.items()}
-        options.setdefault("debug", False)
+        options = {"debug": False, **kwargs}
         _, specialization, _ = binder(*args, **options)
         return repr(specialization)
 
