@@ -25,7 +25,9 @@ Generate level — a Llama-3-8B-shaped model of 8 layers (random bf16 weights), 
 the model, CUDA events, after warm-up steps) for SDPA + DynamicCache — with the flash/efficient
 kernels (the baseline) and with torch's default choice (cuDNN on the H100, which builds an execution
 plan for every new key length, so at every step) — vs qattn + QAttnCache (INT8 K, and INT4 K in every
-layer); decode tokens/s, peak GPU memory, cache bytes, and the agreement of the greedy tokens with the
+layer), eager and with each decode step replayed from a CUDA graph (static storage,
+``hf_qattn.CapturedDecodeStep``: no host work per step; the SDPA rows stay eager, since transformers'
+eager static-cache path reads its mask on the host, and a DynamicCache grows); decode tokens/s, peak GPU memory, cache bytes, and the agreement of the greedy tokens with the
 first SDPA run. The longest context that fits a memory budget is derived
 from the measured cache bytes per token (scaled to a 32-layer Llama-3-8B).
 
@@ -394,13 +396,18 @@ def generate_run(model, ids, mode: str, new_tokens: int, warmup: int):
             backends = torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     else:
         model.set_attn_implementation("qattn")
-        precision = mode.split()[-1]
-        cache = hf_qattn.QAttnCache(model, plan=precision)
+        precision = mode.split()[1].rstrip(",")
+        graph = mode.endswith("CUDA graph")
+        cache = hf_qattn.QAttnCache(model, plan=precision,
+                                    static_max_len=ids.shape[1] + new_tokens + 1 if graph else None)
+        if graph:  # static storage, and each decode step replayed from a CUDA graph (hf_qattn.CapturedDecodeStep)
+            return _timed_generate(model, ids, cache, new_tokens, warmup,
+                                   make_step=lambda: hf_qattn.CapturedDecodeStep(model, cache))
     with backends:
         return _timed_generate(model, ids, cache, new_tokens, warmup)
 
 
-def _timed_generate(model, ids, cache, new_tokens: int, warmup: int):
+def _timed_generate(model, ids, cache, new_tokens: int, warmup: int, make_step=None):
     _sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -411,14 +418,14 @@ def _timed_generate(model, ids, cache, new_tokens: int, warmup: int):
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
     step_ms = []
+    decode_step = make_step() if make_step else (lambda t: model(t, past_key_values=cache, use_cache=True).logits)
     for step in range(new_tokens - 1):
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         else:
             t1 = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
+        token = decode_step(token)[:, -1:].argmax(-1)
         if torch.cuda.is_available():
             end.record()
             end.synchronize()
@@ -452,7 +459,8 @@ def generate_rows(args, device, dtype):
         ids = torch.randint(0, vocab, (1, prompt), device=device)
         base_tokens = None
         for mode in ("sdpa-flash+DynamicCache", "sdpa+DynamicCache", "qattn+QAttnCache int8",
-                     "qattn+QAttnCache int4"):
+                     "qattn+QAttnCache int4", "qattn+QAttnCache int8, CUDA graph",
+                     "qattn+QAttnCache int4, CUDA graph"):
             row = {"prompt": prompt, "mode": mode}
             try:
                 result = generate_run(model, ids, mode, args.new_tokens, args.warmup_steps)
@@ -533,7 +541,7 @@ def generate_table(rows, args) -> list[str]:
     # longest context in a fixed budget, from measured bytes per token and layer
     per_token = {}
     for r in rows:
-        if "error" not in r and r.get("cache_tokens"):
+        if "error" not in r and r.get("cache_tokens") and "graph" not in r["mode"]:  # same bytes as eager
             per_token.setdefault(r["mode"], r["cache_bytes"] / r["cache_tokens"] / max(1, args.layers))
     if per_token:
         budget = args.budget_gib * 2**30

@@ -14,7 +14,11 @@ not a multiple of any tile, head dim, dtype, INT8/INT4 K, left padding, split co
      at 0.03 for INT8 K and 0.2 for INT4 K on these inputs with channel outliers);
   4. the splits merged inside the decode launch (``fused_combine=True``: an arrival counter per tile)
      and by the combine kernel, both against the reference (same tolerance), and a second fused call
-     equal to the first bit for bit (the counters were reset).
+     equal to the first bit for bit (the counters were reset);
+  5. the static cache's path: decoding planned for the whole capacity with the token count read from
+     device memory (``length=``) against the same reference (same tolerance).
+Then a captured decode step (``hf_qattn.CapturedDecodeStep``) on a small random Llama against the
+same steps run eagerly on a static QAttnCache: greedy tokens equal, logits within 1e-3 of their range.
 Each case runs in its own try/except; the table is printed last and written to <out>/check-decode-<gpu>-<date>.md.
 """
 
@@ -102,6 +106,8 @@ def run_case(case, device):
     fused = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, fused_combine=True, **common)
     again = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, fused_combine=True, **common)
     two = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, fused_combine=False, **common)
+    by_device = decode_launch.decode(q, kq, ks, vq, vs, v_bar, cap, length=torch.tensor([nk], device=device,
+                                     dtype=torch.int32), **{**common, "num_splits": None})
     torch.cuda.synchronize() if device == "cuda" else None
     ref = cache_math.decode_attention(q, kq, ks, vq, vs, v_bar, nk, precision=precision, causal=True,
                                       kv_start=kv_start, kv_end=kv_end, dtype=torch.float64).double()
@@ -113,11 +119,48 @@ def run_case(case, device):
     rel = ((out.double() - exact).abs().sum() / exact.abs().sum()).item()
     combine_ok = (bool(torch.equal(fused, again)) and (fused.double() - ref).abs().max().item() <= tol.item()
                   and (two.double() - ref).abs().max().item() <= tol.item())
+    device_ok = (by_device.double() - ref).abs().max().item() <= tol.item()
     result.update(finite=bool(torch.isfinite(out).all()), err=err.item() / scale.item(), tol=tol.item() / scale.item(),
-                  rel_l1=rel, combine_ok=combine_ok)
+                  rel_l1=rel, combine_ok=combine_ok, device_ok=device_ok)
     result["pass"] = (result["append_ok"] and result["finite"] and err.item() <= tol.item() and combine_ok
+                      and device_ok
                       and rel < (0.03 if precision == "int8" else 0.2))
     return result
+
+
+@torch.no_grad()
+def check_captured_step(device, steps: int = 24) -> dict:
+    """A small random Llama (3 layers, GQA 4, d64, bf16): prefill 300 tokens into a static QAttnCache, then
+    greedy steps eagerly and through CapturedDecodeStep from the same prefill; tokens and logits compared."""
+    import transformers as tf
+
+    import hf_qattn
+
+    config = tf.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=64, vocab_size=1000, initializer_range=0.1)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="qattn",
+                                                dtype=torch.bfloat16).to(device).eval()
+    ids = torch.randint(0, 1000, (2, 300), device=device)
+    runs = []
+    for captured in (False, True):
+        cache = hf_qattn.QAttnCache(model, static_max_len=300 + steps + 1)
+        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:]
+        step = hf_qattn.CapturedDecodeStep(model, cache) if captured else None
+        tokens, scores = [], []
+        for _ in range(steps):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            logits = (step(token) if captured else model(token, past_key_values=cache, use_cache=True).logits)
+            scores.append(logits[:, -1].float().clone())
+        runs.append((torch.cat(tokens, 1), torch.stack(scores, 1), cache.get_seq_length(),
+                     [layer.device_length.item() for layer in cache.layers]))
+    (t0, s0, n0, d0), (t1, s1, n1, d1) = runs
+    rng = (s0.amax(-1) - s0.amin(-1)).clamp_min(1e-6)
+    err = ((s1 - s0).abs().amax(-1) / rng).max().item()
+    same = bool(torch.equal(t0, t1))
+    ok = same and err < 1e-3 and n0 == n1 == 300 + steps and d0 == d1 == [n0] * 3
+    return {"pass": ok, "case": f"CapturedDecodeStep, Llama 3 layers B2, {steps} steps",
+            "tokens_equal": same, "logit_err": err, "length": (n0, n1, d1[0])}
 
 
 def main(argv=None) -> int:
@@ -152,20 +195,36 @@ def main(argv=None) -> int:
         rows.append(r)
         if device == "cuda":
             torch.cuda.empty_cache()
+    captured = None
+    if device == "cuda":
+        try:
+            captured = check_captured_step(device)
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            captured = {"pass": False, "case": "CapturedDecodeStep", "error": f"{type(error).__name__}: {error}"[:300]}
+        print(("PASS " if captured["pass"] else "FAIL ") + str(captured), flush=True)
+        rows_captured = [captured]
+    else:
+        rows_captured = []
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter"
     date = datetime.date.today().isoformat()
-    failed = [r for r in rows if not r["pass"]]
+    failed = [r for r in rows + rows_captured if not r["pass"]]
     lines = [f"# Decode kernel check — {gpu}, {date}", "",
-             f"{len(rows) - len(failed)} of {len(rows)} cases pass (seed {args.seed}).", "",
-             "| case | append == reference | max err / max|ref| | tolerance | relL1 vs exact (unquantized) | fused combine == repeat, two-kernel ok | result |",
-             "|---|---|---|---|---|---|---|"]
+             f"{len(rows) + len(rows_captured) - len(failed)} of {len(rows) + len(rows_captured)} checks pass "
+             f"(seed {args.seed}).", "",
+             "| case | append == reference | max err / max|ref| | tolerance | relL1 vs exact (unquantized) | fused combine == repeat, two-kernel ok | count from device ok | result |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | | | | | FAIL: {r['error']} |")
+            lines.append(f"| {r['case']} | | | | | | | FAIL: {r['error']} |")
         else:
             lines.append(f"| {r['case']} | {r['append_ok']} | {r['err']:.2e} | {r['tol']:.2e} | {r['rel_l1']:.4f} | "
-                         f"{r['combine_ok']} | {'pass' if r['pass'] else 'FAIL'} |")
+                         f"{r['combine_ok']} | {r['device_ok']} | {'pass' if r['pass'] else 'FAIL'} |")
+    for r in rows_captured:
+        detail = r.get("error") or (f"greedy tokens equal: {r['tokens_equal']}; max logit difference / logit range "
+                                    f"{r['logit_err']:.2e}; tokens cached (eager, captured, device count) {r['length']}")
+        lines += ["", f"{r['case']}: {detail} — {'pass' if r['pass'] else 'FAIL'}"]
     text = "\n".join(lines)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"check-decode-{gpu.replace(' ', '-')}-{date}.md")

@@ -5,6 +5,8 @@ Public API:
     QAttnPlan, PlanError         per-layer precision plans (see hf_qattn.plan)
     calibrate(model, inputs)     score every layer, write a 4/8-bit plan into model.config
     fallback_stats()             where calls went, and why any fell back to full precision
+    QAttnCache(model)            a quantized KV cache for generate (see hf_qattn.cache)
+    CapturedDecodeStep           a decode step over a static QAttnCache replayed from a CUDA graph
     reset_fallback_stats()
 
 Importing hf_qattn registers ``attn_implementation="qattn"`` with transformers as soon as
@@ -43,4 +45,8 @@ def __getattr__(name):
         from .cache import QAttnCache
 
         return QAttnCache
+    if name == "CapturedDecodeStep":
+        from .captured_decode import CapturedDecodeStep
+
+        return CapturedDecodeStep
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,8 +22,10 @@ What a layer's ``update`` returns:
   touches them gets a :class:`QAttnCacheError` saying what to do.
 
 ``static_max_len`` preallocates every layer's storage for that many tokens (no reallocation while
-generating; exceeding it raises). CUDA-graph capture of decoding also needs the token count read
-from device memory by the kernel, which is not done yet.
+generating; exceeding it raises) and keeps each layer's token count in device memory as well
+(``QAttnLayer.device_length``), which the append and decode kernels read: a decode step then has no
+host-side value that changes from step to step, so it can be captured in a CUDA graph and replayed
+(:class:`hf_qattn.CapturedDecodeStep`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class QAttnLayer(CacheLayerMixin):
         self.length = 0
         self.capacity = 0
         self.kq = self.ks = self.vq = self.vs = self.k_bar = self.v_bar = None
+        self.device_length = None  # static storage: the token count as a (1,) int32 tensor on the device
 
     def __repr__(self):
         return f"QAttnLayer({self.precision}, tokens={self.length})"
@@ -76,6 +79,7 @@ class QAttnLayer(CacheLayerMixin):
             raise QAttnCacheError("QAttnCache supports head dims up to 256")
         if self.max_len is not None:
             self._allocate(self.max_len)
+            self.device_length = torch.zeros(1, device=self.device, dtype=torch.int32)
         self.is_initialized = True
 
     def _allocate(self, capacity: int) -> None:
@@ -108,8 +112,10 @@ class QAttnLayer(CacheLayerMixin):
         if _kernels_available(self.device):
             from .kernels import decode_launch
 
+            # static storage: the kernel reads the first slot from device memory (the same in every replay)
             decode_launch.append(key_states, value_states, self.k_bar, self.v_bar, self.kq, self.ks, self.vq,
-                                 self.vs, pos, int4=self.precision == "int4")
+                                 self.vs, pos if self.device_length is None else self.device_length,
+                                 int4=self.precision == "int4")
         else:
             kq, ks, vq, vs = cache_math.quantize_tokens(key_states, value_states, self.k_bar, self.v_bar,
                                                         self.precision)
@@ -118,6 +124,8 @@ class QAttnLayer(CacheLayerMixin):
             self.vq[:, :, pos: pos + n] = vq
             self.vs[:, :, pos: pos + n] = vs
         self.length += n
+        if self.device_length is not None:
+            self.device_length.add_(n)
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -140,6 +148,8 @@ class QAttnLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.length = 0
+        if self.device_length is not None:
+            self.device_length.zero_()
         self.k_bar = self.v_bar = None
         if self.max_len is None:
             self.kq = self.ks = self.vq = self.vs = None
@@ -150,6 +160,8 @@ class QAttnLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         self.length = max(0, self.length + tokens_to_remove)
+        if self.device_length is not None:
+            self.device_length.fill_(self.length)
 
     def _select(self, index: torch.Tensor) -> None:
         if self.kq is None:

@@ -9,6 +9,7 @@ rebuilds full-precision K/V for the rare call the kernel cannot serve (gradients
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 
@@ -63,6 +64,28 @@ class PackedKV(torch.Tensor):
         return f"PackedKV({self.which}, shape={tuple(self.shape)}, precision={self.layer.precision})"
 
 
+# Set by CapturedDecodeStep around its step. The step builds its own inputs (one token a row, the same
+# position for every row, no attention_mask), so the mask transformers makes for it is the plain
+# causal one; the eager warm-up steps check that, and the capture then does not read the mask (a
+# host read of a GPU tensor is illegal while a CUDA graph is being captured).
+_captured_step: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_qattn_captured_step", default=False)
+
+
+def step_pattern(query: torch.Tensor, key: "PackedKV", pattern, reason):
+    """Inside CapturedDecodeStep: the pattern of its step (unread while capturing), after checking the
+    mask's reading (``pattern``, ``reason``) when there was one; outside: ``(pattern, reason)`` as given."""
+    if not _captured_step.get():
+        return pattern, reason
+    if pattern is None and reason is None:  # capturing: the plain causal pattern the warm-up steps checked
+        from .masks import MaskPattern
+
+        return MaskPattern(query.shape[2] > 1, key.shape[2]), None
+    if reason is not None or pattern.kv_start is not None or pattern.kv_end is not None or pattern.kv_len != key.shape[2]:
+        raise QAttnCacheError(f"CapturedDecodeStep: the step's attention mask is not the plain causal mask over all "
+                              f"{key.shape[2]} cached tokens ({reason or pattern}); padded batches cannot be replayed")
+    return pattern, reason
+
+
 def is_packed(t) -> bool:
     """True when an attention function received a QAttnCache layer's packed K/V instead of tensors."""
     return isinstance(t, PackedKV)
@@ -83,9 +106,12 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         stats.record_call("triton")
         other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
-            return decode_launch.decode(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
-                                        int4=layer.precision == "int4", sm_scale=scaling, causal=pattern.causal,
-                                        kv_start=pattern.kv_start, kv_end=pattern.kv_end)
+            # static storage read to its end: the kernel takes the count from device memory (graph-replayable)
+            by_device = layer.device_length is not None and nk == layer.length
+            return decode_launch.decode(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar,
+                                        layer.capacity if by_device else nk, int4=layer.precision == "int4",
+                                        sm_scale=scaling, causal=pattern.causal, kv_start=pattern.kv_start,
+                                        kv_end=pattern.kv_end, length=layer.device_length if by_device else None)
     stats.record_call("reference")
     return cache_math.decode_attention(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
                                        precision=layer.precision, sm_scale=scaling, causal=pattern.causal,

@@ -40,7 +40,7 @@ from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
 @triton.jit
 def append_kernel(
-    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, pos0,
+    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, pos0, POS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_qb, stride_qh, stride_qn,
@@ -48,10 +48,12 @@ def append_kernel(
     stride_wb, stride_wh, stride_wn,
     HK, N,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, INT4: tl.constexpr,
-    GRID_ROUND: tl.constexpr,
+    GRID_ROUND: tl.constexpr, DEVICE_POS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
+    if DEVICE_POS:  # the first slot from device memory (a static cache's length): replayable in a CUDA graph
+        pos0 = tl.load(POS)
     b = (bh // HK).to(tl.int64)
     hk = bh % HK
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -174,7 +176,7 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
 
 @triton.jit
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER,
+    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
@@ -184,7 +186,10 @@ def decode_kernel(
     GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, INTERPRET: tl.constexpr,
+    DEVICE_LEN: tl.constexpr,
 ):
+    if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
+        NK = tl.minimum(tl.load(LEN), NK)
     chunk = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
     split = tl.program_id(2)

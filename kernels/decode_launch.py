@@ -26,18 +26,20 @@ def packed_width(head_dim: int, int4: bool) -> int:
     return tuning.padded_head_dim(head_dim) // 2 if int4 else head_dim
 
 
-def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int, *, int4: bool) -> None:
-    """Quantize k, v (B, Hk, N, D) into slots [pos0, pos0 + N) of kq, ks, vq, vs (B, Hk, CAP, ·): one launch."""
+def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int | torch.Tensor, *, int4: bool) -> None:
+    """Quantize k, v (B, Hk, N, D) into slots [pos0, pos0 + N) of kq, ks, vq, vs (B, Hk, CAP, ·): one launch.
+    ``pos0`` may be a one-element int32 tensor on the device (read by the kernel: CUDA-graph replayable)."""
     b, hk, n, d = k.shape
     if n == 0:
         return
     block_t = 16 if tuning.interpreting() else (32 if n > 16 else 16)  # one token (decoding): a smaller tile
+    device_pos = isinstance(pos0, torch.Tensor)
     fast(append_kernel)[(triton.cdiv(n, block_t), b * hk)](
-        k, v, k_bar, v_bar, kq, ks, vq, vs, pos0,
+        k, v, k_bar, v_bar, kq, ks, vq, vs, 0 if device_pos else pos0, pos0 if device_pos else None,
         *k.stride(), *v.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3],
         hk, n,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4,
-        GRID_ROUND=tuning.interpreting(), num_warps=4,
+        GRID_ROUND=tuning.interpreting(), DEVICE_POS=device_pos, num_warps=4,
     )
 
 
@@ -115,6 +117,7 @@ def _workspace(device: torch.device, rows: int, d_pad: int, tiles: int):
 
 def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | None = None, causal: bool = True,
            kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
+           length: torch.Tensor | None = None,
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
            num_warps: int = 4, num_stages: int | None = None, waves: float | None = None,
            fused_combine: bool | None = None) -> torch.Tensor:
@@ -122,6 +125,9 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
 
     ``causal`` aligns the diagonal bottom-right (query i sees keys ≤ nk − Nq + i); with one query it
     changes nothing. ``kv_start`` / ``kv_end`` (B,) restrict each sequence to keys [start, end).
+    ``length``: a one-element int32 tensor on the device holding the cached token count (≤ ``nk``, which
+    is then the capacity the launch is planned for): the kernel reads it, so a captured CUDA graph
+    replays correctly as the cache grows.
     No host synchronization, no allocation but ``out`` when it is not given; one kernel launch, two
     with several splits unless ``fused_combine`` (default: :data:`FUSED_COMBINE`) merges them in it.
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves`` tune the launch.
@@ -154,12 +160,12 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
         part_o = part_m = part_l = counter = None
     extra = {} if num_stages is None else {"num_stages": num_stages}
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
-        q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter,
+        q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),
         hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range, SPLIT=split,
-        FUSED_COMBINE=split and fused_combine, INTERPRET=interp,
+        FUSED_COMBINE=split and fused_combine, INTERPRET=interp, DEVICE_LEN=length is not None,
         num_warps=num_warps, **extra,
     )
     if split and not fused_combine:

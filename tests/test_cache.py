@@ -273,3 +273,93 @@ def test_gradients_fall_back_to_the_dequantized_cache(seed, fresh_stats):
     out = model(torch.randint(1, 128, (1, 1)), past_key_values=cache, use_cache=True)
     out.logits.sum().backward()  # autograd: served in full precision from the dequantized cache
     assert fresh_stats()["fallbacks"]
+
+
+def _stepped_logits(model, ids, cache, steps, step_fn=None):
+    """Prefill, then one decode step per token of ``steps`` (B, S): the logits of every step's token."""
+    with torch.no_grad():
+        out = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+        step_fn = step_fn or (lambda token: model(token, past_key_values=cache, use_cache=True).logits)
+        for i in range(steps.shape[1]):
+            out.append(step_fn(steps[:, i: i + 1])[:, -1].clone())
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("plan", ["int8", "int4"])
+def test_static_storage_keeps_the_token_count_on_the_device(seed, plan):
+    """With static storage the kernels read the token count from device memory (what lets a CUDA graph
+    replay a step): decoding gives the growing cache's logits, and the device count follows every
+    update, crop and reset."""
+    model = _tiny_lm()
+    ids = torch.randint(1, 128, (2, 11))
+    steps = torch.randint(1, 128, (2, 5))
+    growing = _stepped_logits(model, ids, hf_qattn.QAttnCache(model, plan=plan), steps)
+    static = hf_qattn.QAttnCache(model, plan=plan, static_max_len=40)
+    logits = _stepped_logits(model, ids, static, steps)
+    rng = growing.amax(-1, keepdim=True) - growing.amin(-1, keepdim=True)
+    assert ((logits - growing).abs() / rng).amax() < 1e-3
+    for layer in static.layers:
+        assert layer.length == 16 and layer.device_length.tolist() == [16] and layer.capacity == 40
+    static.crop(-3)
+    assert [layer.device_length.item() for layer in static.layers] == [13, 13]
+    static.reset()
+    assert [layer.device_length.item() for layer in static.layers] == [0, 0]
+
+
+def test_captured_decode_step_runs_the_step_it_captures(seed):
+    """CapturedDecodeStep's eager warm-up steps (the step it captures, with the token and positions in
+    fixed buffers) give the plain decode loop's logits; the capture itself needs CUDA (here: a clear
+    error), and the arguments are checked."""
+    model = _tiny_lm()
+    ids = torch.randint(1, 128, (2, 11))
+    steps = torch.randint(1, 128, (2, 3))
+    base = _stepped_logits(model, ids, hf_qattn.QAttnCache(model, static_max_len=20), steps)
+    cache = hf_qattn.QAttnCache(model, static_max_len=20)
+    with pytest.raises(qcache.QAttnCacheError, match="prefill"):
+        hf_qattn.CapturedDecodeStep(model, cache)
+    holder = {}
+
+    def step(token):
+        if "step" not in holder:
+            holder["step"] = hf_qattn.CapturedDecodeStep(model, cache, warmup=3)
+        return holder["step"](token)
+
+    logits = _stepped_logits(model, ids, cache, steps, step)
+    torch.testing.assert_close(logits, base, rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 14
+    with pytest.raises(qcache.QAttnCacheError, match="CUDA"):
+        holder["step"](steps[:, :1])  # the fourth call would capture
+    with pytest.raises(ValueError, match="input_ids must have shape"):
+        holder["step"](steps[:1, :1])
+    with pytest.raises(qcache.QAttnCacheError, match="static_max_len"):
+        hf_qattn.CapturedDecodeStep(model, hf_qattn.QAttnCache(model))
+    mixed = hf_qattn.QAttnCache(model, plan=QAttnPlan(default="int8", layers={1: UNQUANTIZED}, num_layers=2),
+                                static_max_len=20)
+    with pytest.raises(qcache.QAttnCacheError, match="every cache layer quantized"):
+        hf_qattn.CapturedDecodeStep(model, mixed)
+    with pytest.raises(TypeError, match="QAttnCache"):
+        hf_qattn.CapturedDecodeStep(model, transformers.DynamicCache(config=model.config))
+
+
+def test_captured_step_refuses_a_mask_it_cannot_replay(seed):
+    """Inside CapturedDecodeStep a mask reading with key ranges (a padded batch) is refused, not replayed
+    as the plain causal mask; outside it the reading passes through unchanged."""
+    from hf_qattn import cache_hook
+    from hf_qattn.masks import MaskPattern
+
+    layer = qcache.QAttnLayer("int8")
+    k, v = _states(2, 2, 10, 16)
+    layer.update(k, v)
+    key, _ = layer.update(k[:, :, :1], v[:, :, :1])
+    query = torch.randn(2, 4, 1, 16)
+    padded = MaskPattern(False, 11, kv_start=torch.tensor([0, 3]))
+    assert cache_hook.step_pattern(query, key, padded, None) == (padded, None)
+    token = cache_hook._captured_step.set(True)
+    try:
+        with pytest.raises(qcache.QAttnCacheError, match="padded batches"):
+            cache_hook.step_pattern(query, key, padded, None)
+        plain = MaskPattern(False, 11)
+        assert cache_hook.step_pattern(query, key, plain, None) == (plain, None)
+        assert cache_hook.step_pattern(query, key, None, None) == (MaskPattern(False, 11), None)
+    finally:
+        cache_hook._captured_step.reset(token)

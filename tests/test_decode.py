@@ -171,6 +171,41 @@ def test_split_count_fills_the_gpu_without_overshooting(b, hk, nq, nk):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_token_count_read_from_device_memory(seed, precision):
+    """A static cache's path: the append kernel takes its first slot, and the decode kernel the cached token
+    count, from a device tensor (so a CUDA graph replays them as the cache grows). The storage is the one
+    host-side positions write, bit for bit; decoding planned for the whole capacity reads only the first
+    ``length`` tokens (the slots past them hold garbage: reading one would blow the result up), with the
+    causal diagonal of several queries placed by the device count."""
+    b, hk, hq, d, cap = 2, 2, 8, 64, 90
+    k, v = outlier_kv(b, hk, 50, d)
+    k_bar, v_bar = cache_math.centers(k[:, :, :30], v[:, :, :30])
+    width = decode_launch.packed_width(d, precision == "int4")
+    stores = []
+    for device_pos in (False, True):
+        kq = torch.full((b, hk, cap, width), 99, dtype=torch.int8, device=DEVICE)
+        ks = torch.full((b, hk, cap), 1e6, device=DEVICE)
+        vq = torch.full((b, hk, cap, d), 448.0, device=DEVICE).to(torch.float8_e4m3fn)
+        vs = torch.full((b, hk, cap), 1e6, device=DEVICE)
+        length = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        for lo, hi in ((0, 30), (30, 31), (31, 50)):  # prefill, one decode token, a chunk
+            pos = length if device_pos else lo
+            decode_launch.append(k[:, :, lo:hi], v[:, :, lo:hi], k_bar, v_bar, kq, ks, vq, vs, pos,
+                                 int4=precision == "int4")
+            length.add_(hi - lo)
+        stores.append((kq, ks, vq, vs))
+    for host, dev in zip(*stores):
+        assert torch.equal(host.view(torch.int8), dev.view(torch.int8))
+    kq, ks, vq, vs = stores[1]
+    for nq in (1, 4):
+        q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=torch.bfloat16)
+        out = decode_launch.decode(q, kq, ks, vq, vs, v_bar, cap, int4=precision == "int4", causal=True,
+                                   length=length)
+        ref = cache_math.decode_attention(q, kq, ks, vq, vs, v_bar, 50, precision=precision, causal=True)
+        assert mismatch(out, ref) is None, (nq, mismatch(out, ref))
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_append_matches_reference_and_appends_in_place(seed, precision):
     """Appending in two pieces with the centers of the first equals quantizing everything at once."""
     k, v = outlier_kv(2, 3, 41, 48)

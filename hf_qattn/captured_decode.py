@@ -1,0 +1,108 @@
+"""One decode step of a causal LM captured in a CUDA graph and replayed, over a static QAttnCache.
+
+Eager decoding at batch 1 is bound by the host: a transformers model issues a few hundred small
+kernels a step from Python (measured for an 8-layer Llama-3-8B-shaped model at a 16k prompt on the
+H100: ≈ 10 ms of host per step against ≈ 2.5 ms of GPU; eval/results/probe-generate-step-*.log).
+Replaying the step as a CUDA graph removes the host from the loop. That needs a step whose GPU work
+reads nothing from the host that changes between steps: a :class:`~hf_qattn.QAttnCache` with
+``static_max_len`` keeps its token count in device memory, where the append and decode kernels read
+it, and this class keeps the token ids and positions in fixed buffers::
+
+    cache = hf_qattn.QAttnCache(model, static_max_len=prompt_len + max_new_tokens)
+    logits = model(ids, past_key_values=cache, use_cache=True).logits   # the prefill runs eagerly
+    step = hf_qattn.CapturedDecodeStep(model, cache)
+    token = logits[:, -1:].argmax(-1)
+    for _ in range(max_new_tokens):
+        token = step(token)[:, -1].argmax(-1, keepdim=True)            # logits (B, 1, vocab) of the step
+
+The first call runs eagerly (it compiles and warms the kernels), the second captures the step and
+runs it, later calls only copy the new tokens in and replay. Every row of the batch is at the same
+position (no left padding: pass ``position_ids`` to the model yourself for that). Attention calls
+inside replays are not counted in :func:`hf_qattn.fallback_stats` (the capture's one call per layer is).
+The returned logits are a buffer the next call overwrites: clone them to keep them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache_hook import QAttnCacheError, _captured_step
+
+
+class CapturedDecodeStep:
+    """``step(input_ids) -> logits``: a decode step of ``model`` over ``cache``, replayed from a CUDA graph.
+
+    Args:
+        model: a causal LM with ``attn_implementation="qattn"``, on a CUDA device.
+        cache: a :class:`~hf_qattn.QAttnCache` built with ``static_max_len`` and already filled by the
+            prefill; every layer quantized (a plan's full-precision layers grow, and cannot be replayed).
+        warmup: eager steps before the capture (they compile the kernels; at least 1). They run the
+            step exactly as captured, on any device; the capture itself needs CUDA.
+    """
+
+    def __init__(self, model, cache, *, warmup: int = 1):
+        from .cache import QAttnCache, QAttnLayer
+
+        if not isinstance(cache, QAttnCache):
+            raise TypeError(f"cache must be an hf_qattn.QAttnCache; got {type(cache).__name__}")
+        kinds = {type(layer).__name__ for layer in cache.layers if not isinstance(layer, QAttnLayer)}
+        if kinds:
+            raise QAttnCacheError(f"CapturedDecodeStep needs every cache layer quantized; this cache also has "
+                                  f"{sorted(kinds)} layers (full-precision or special layers grow every step)")
+        if any(layer.max_len is None for layer in cache.layers):
+            raise QAttnCacheError("CapturedDecodeStep needs QAttnCache(..., static_max_len=N): storage that "
+                                  "never moves and a token count kept on the device")
+        if any(not layer.is_initialized or layer.length == 0 for layer in cache.layers):
+            raise QAttnCacheError("run the prefill (model(ids, past_key_values=cache)) before CapturedDecodeStep")
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be an int ≥ 1; got {warmup!r}")
+        first = cache.layers[0]
+        self.model, self.cache, self._warmup = model, cache, warmup
+        self.batch_size = first.batch_size
+        self._ids = torch.zeros(self.batch_size, 1, device=first.device, dtype=torch.long)
+        self._position = torch.full((1,), first.length, device=first.device, dtype=torch.long)
+        self._storage = self._storage_ptrs()
+        self._graph = None
+        self._logits = None
+
+    def _storage_ptrs(self) -> tuple:
+        return tuple(layer.kq.data_ptr() for layer in self.cache.layers)
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        token = _captured_step.set(True)
+        try:
+            out = self.model(input_ids=self._ids, position_ids=self._position.expand(self.batch_size, 1),
+                             cache_position=self._position, past_key_values=self.cache, use_cache=True)
+        finally:
+            _captured_step.reset(token)
+        self._position.add_(1)
+        return out.logits
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape != self._ids.shape:
+            raise ValueError(f"input_ids must have shape {tuple(self._ids.shape)} (batch, 1); "
+                             f"got {tuple(input_ids.shape)}")
+        layers = self.cache.layers
+        if layers[0].length + 1 > layers[0].capacity:
+            raise QAttnCacheError(f"QAttnCache(static_max_len={layers[0].capacity}) is full")
+        if self._storage_ptrs() != self._storage:
+            raise QAttnCacheError("the cache's storage moved (reorder/select of the batch): build a new "
+                                  "CapturedDecodeStep")
+        self._ids.copy_(input_ids)
+        if self._warmup > 0:  # eager: compiles and warms every kernel the captured step launches
+            self._warmup -= 1
+            return self._forward()
+        if self._graph is None:
+            if self._ids.device.type != "cuda":
+                raise QAttnCacheError(f"CUDA graphs need a CUDA device; the cache is on {self._ids.device}")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._logits = self._forward()  # host state (the layers' lengths) advances here, once
+            graph.replay()
+            self._graph = graph
+            return self._logits
+        self._graph.replay()
+        for layer in layers:  # what the step's Python would have done
+            layer.length += 1
+        return self._logits
