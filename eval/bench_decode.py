@@ -436,7 +436,7 @@ def _timed_generate(model, ids, cache, new_tokens: int, warmup: int, make_step=N
             step_ms.append(ms)
         tokens.append(token)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    return {
+    result = {
         "prefill_ms": prefill_ms,
         "step_ms": statistics.median(step_ms) if step_ms else float("nan"),
         "tok_s": ids.shape[0] * 1e3 / statistics.median(step_ms) if step_ms else float("nan"),
@@ -445,6 +445,23 @@ def _timed_generate(model, ids, cache, new_tokens: int, warmup: int, make_step=N
         "cache_tokens": cache.get_seq_length(),
         "tokens": torch.cat(tokens, dim=1).cpu(),
     }
+    # GPU time of a step, without the host: a replayed graph's step time is that already; for eager
+    # steps, the kernels' own time summed by the profiler (what a CUDA graph of the step would cost)
+    if make_step is not None:
+        result["gpu_ms"] = result["step_ms"]
+    elif torch.cuda.is_available():
+        result["gpu_ms"] = _kernel_ms_per_step(decode_step, token)
+    return result
+
+
+def _kernel_ms_per_step(decode_step, token, steps: int = 4) -> float:
+    _sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = decode_step(token)[:, -1:].argmax(-1)
+        _sync()
+    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total_us / 1e3 / steps
 
 
 def generate_rows(args, device, dtype):
@@ -486,6 +503,8 @@ def generate_rows(args, device, dtype):
         for r in rows:
             if r["prompt"] == prompt and base is not None and "tok_s" in r:
                 r["x_sdpa"] = r["tok_s"] / base["tok_s"]
+                if r.get("gpu_ms") and base.get("gpu_ms"):
+                    r["x_sdpa_gpu"] = base["gpu_ms"] / r["gpu_ms"]
                 r["cache_vs_bf16"] = r["cache_bytes"] / base["cache_bytes"]
     return rows
 
@@ -526,17 +545,20 @@ def kernel_table(rows) -> list[str]:
 
 
 def generate_table(rows, args) -> list[str]:
-    lines = ["| prompt | mode | prefill ms | decode ms/token | tokens/s | ×SDPA | peak GiB | cache MiB | cache/bf16 | greedy agreement |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["GPU ms/token: the kernels' time of a step (profiler sum for eager steps; the step time itself when "
+             "replayed from a CUDA graph) — what each mode costs once the host is out of the loop.", "",
+             "| prompt | mode | prefill ms | decode ms/token | tokens/s | ×SDPA | GPU ms/token | ×SDPA (GPU) | peak GiB | cache MiB | cache/bf16 | greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['prompt']} | {r['mode']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['prompt']} | {r['mode']} | failed: {r['error']} | | | | | | | | | |")
             continue
         agree = "-" if "agree" not in r else f"{r['agree']:.3f}" + (f" (first diff at {r['first_diff']})"
                                                                     if r.get("first_diff") is not None else "")
         lines.append("| " + " | ".join([
             str(r["prompt"]), r["mode"], fmt(r["prefill_ms"]), fmt(r["step_ms"], "{:.2f}"), fmt(r["tok_s"]),
-            fmt(r.get("x_sdpa"), "{:.2f}"), fmt(r["peak_GiB"], "{:.2f}"), fmt(r["cache_bytes"] / 2**20),
+            fmt(r.get("x_sdpa"), "{:.2f}"), fmt(r.get("gpu_ms"), "{:.2f}"), fmt(r.get("x_sdpa_gpu"), "{:.2f}"),
+            fmt(r["peak_GiB"], "{:.2f}"), fmt(r["cache_bytes"] / 2**20),
             fmt(r.get("cache_vs_bf16"), "{:.3f}"), agree]) + " |")
     # longest context in a fixed budget, from measured bytes per token and layer
     per_token = {}

@@ -117,12 +117,34 @@ def main():
             "", f"torch {torch.__version__}, triton {triton.__version__}; µs per issue, GPU held busy "
             "(median of 5 × 30). Command: `python3 eval/host_overhead.py`", "", "| what | host µs |", "|---|---|"]
     text += [f"| {name} | {us:.1f} |" for name, us in rows]
+    text += ["", "## Where the host time of a qattn call goes (cProfile, 300 calls, GPU busy; own time first)", "",
+             "```", _profile(call), "```"]
     report = "\n".join(text) + "\n"
     print(report)
     if args.out:
         name = f"host-overhead-{torch.cuda.get_device_name().replace(' ', '-')}-{datetime.date.today()}.md"
         with open(os.path.join(args.out, name), "w") as f:
             f.write(report)
+
+
+def _profile(call, calls: int = 300) -> str:
+    """cProfile of ``calls`` issues of ``call`` with the GPU held busy: the functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # longer than the calls take to issue, even profiled
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    return out.getvalue()
 
 
 class _Config:
