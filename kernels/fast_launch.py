@@ -40,8 +40,31 @@ def _mode() -> str:
     return os.environ.get("HF_QATTN_FAST_LAUNCH", "1")
 
 
+_VERSION_OK = triton.__version__.startswith(VALIDATED)
+
+
 def enabled() -> bool:
-    return (_mode() != "0" and triton.__version__.startswith(VALIDATED) and not tuning.interpreting())
+    return _mode() != "0" and _VERSION_OK and not tuning.interpreting()
+
+
+def _int_key(value: int) -> int:
+    return (value == 1) | ((value % 16 == 0) << 1) | ((not -_I32_MAX - 1 <= value <= _I32_MAX) << 2)
+
+
+def _tensor_key(value: torch.Tensor):
+    return value.dtype, value.data_ptr() % 16 == 0
+
+
+# The common argument types by exact type: one dict lookup instead of a chain of isinstance checks
+# (a qattn call's three launches key about ninety arguments; the chain was the launch's largest
+# Python cost in eval/results/host-overhead-*.md's profile). Anything else takes ``_arg_key``.
+_KEY_BY_TYPE = {type(None): lambda value: None, bool: lambda value: (bool, value), int: _int_key,
+                torch.Tensor: _tensor_key, float: lambda value: float}
+
+
+def _args_key(args: tuple) -> tuple:
+    get = _KEY_BY_TYPE.get
+    return tuple((get(type(value)) or _arg_key)(value) for value in args)
 
 
 def _arg_key(value):
@@ -51,9 +74,9 @@ def _arg_key(value):
     if isinstance(value, bool):  # an i1 argument, not an int (and True == 1 in a dict key)
         return bool, value
     if isinstance(value, int):
-        return (value == 1) | ((value % 16 == 0) << 1) | ((not -_I32_MAX - 1 <= value <= _I32_MAX) << 2)
+        return _int_key(value)
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
+        return _tensor_key(value)
     if isinstance(value, float):
         return float
     block_shape = getattr(value, "block_shape", None)
@@ -86,16 +109,17 @@ class FastLauncher:
             signature = inspect.signature(self.jit_fn.fn)
             self._names = list(signature.parameters)
             self._defaults = {name: p.default for name, p in signature.parameters.items()}
-        rest = self._names[len(args):]
-        return [*args, *(kwargs[name] if name in kwargs else self._defaults[name] for name in rest)]
+        defaults = self._defaults
+        return [*args, *(kwargs[name] if name in kwargs else defaults[name] for name in self._names[len(args):])]
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        from triton import knobs
-
-        if not enabled() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        mode = _mode()
+        runtime = triton.knobs.runtime
+        if (mode == "0" or not _VERSION_OK or tuning.interpreting() or _hooked(runtime.launch_enter_hook)
+                or _hooked(runtime.launch_exit_hook)):
             return self.jit_fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
-        key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        key = (device, _args_key(args), tuple(kwargs.items()))
         kernel = self.kernels.get(key)
         if kernel is None:
             kernel = self.jit_fn[grid](*args, **kwargs)
@@ -104,7 +128,7 @@ class FastLauncher:
             self.kernels[key] = (kernel, self._specialization(device, args, kwargs))
             return kernel
         kernel, specialization = kernel
-        if _mode() == "check" and self._specialization(device, args, kwargs) != specialization:
+        if mode == "check" and self._specialization(device, args, kwargs) != specialization:
             raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: the key missed a specialization change")
         self.direct += 1
         g = tuple(grid) + (1,) * (3 - len(grid))

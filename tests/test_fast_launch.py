@@ -37,6 +37,20 @@ def test_off_under_the_interpreter_and_by_switch(monkeypatch):
     assert not fast_launch.enabled()
 
 
+def test_the_by_type_key_equals_the_general_key():
+    """The launch keys its arguments through a table of exact types; every value — subclasses, descriptors
+    and constexpr-like values included — gets the key the general rule gives it."""
+    class Descriptor:
+        def __init__(self, base):
+            self.base, self.block_shape, self.layout = base, [16, 32], "nvmma"
+
+    base = torch.zeros(64, dtype=torch.float16)
+    values = (None, True, False, 1, 17, 32, 2 ** 33, 0.5, base, base[1:], torch.nn.Parameter(base.clone()),
+              Descriptor(base), "constexpr", (3, 4))
+    assert fast_launch._args_key(values) == tuple(fast_launch._arg_key(v) for v in values)
+    assert fast_launch._args_key((True,)) != fast_launch._args_key((1,))
+
+
 def test_disabled_launcher_calls_the_kernel_unchanged():
     calls = []
 
