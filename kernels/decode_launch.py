@@ -51,9 +51,15 @@ def _sm_count(index: int) -> int:
 # Split-count heuristic: enough (query chunk, batch·kv-head, split) programs for WAVES programs per
 # SM, never more splits than key tiles, nor a split shorter than MIN_SPLIT_TILES tiles unless that
 # is needed to reach one program per SM. ``decode(waves=…)`` overrides it (bench_decode.py --sweep).
-WAVES = 2
+# WAVES 8 (was 2): more programs keep more of the cache in flight; on the H100 at B8 L16k / L64k,
+# INT8 125.6 → 123.9 / 474.7 → 423.0 µs, INT4 169.0 → 146.5 / 640.0 → 543.9 µs
+# (eval/results/decode-sweep-*-waves.log; 16 waves and 2 warps win at 64k, lose at 16k).
+# MAX_SPLITS 32 (was 128): the fused combine merges the splits one after another in one program, and
+# with 128 splits (B1 L64k at 8 waves) that tail cost 116 µs a step against 72 with 33 splits; more
+# than MAX_SPLITS only when fewer would leave SMs idle (MQA at batch 1).
+WAVES = 8
 MIN_SPLIT_TILES = 4
-MAX_SPLITS = 128
+MAX_SPLITS = 32
 # Merge the splits inside the decode launch (the last split program of a tile to finish, through an
 # arrival counter) instead of a second kernel. Validated on the H100 by eval/check_decode.py (fused
 # and two-kernel results agree with the reference; repeats are identical) and faster there at short
@@ -78,7 +84,7 @@ def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool
             programs = chunks * b * hk
             fill = triton.cdiv(sms, programs)  # splits for one program per SM
             want = triton.cdiv(int(sms * (WAVES if waves is None else waves)), programs)
-            num_splits = min(want, max(fill, tiles // MIN_SPLIT_TILES), MAX_SPLITS)
+            num_splits = min(want, max(fill, tiles // MIN_SPLIT_TILES), max(fill, MAX_SPLITS))
     num_splits = max(1, min(num_splits, tiles))
     split_len = triton.cdiv(tiles, num_splits) * block_n
     num_splits = triton.cdiv(max(nk, 1), split_len)  # no empty trailing split
