@@ -60,6 +60,12 @@ def _sm_count(index: int) -> int:
 WAVES = 8
 MIN_SPLIT_TILES = 4
 MAX_SPLITS = 32
+# Registers a thread, capped: Nsight Compute showed the kernel at 144 registers, 3 programs an SM
+# (18.75 % occupancy) and 64 % (INT8) / 38 % (INT4) of DRAM bandwidth at B8 L64k
+# (eval/results/ncu/ncu-decode-*.txt). At 128 (no spills for INT8, 2 for INT4) B8 L16k / L64k went
+# 122.7 → 120.2 / 430.0 → 424.5 µs (INT8) and 148.7 → 139.4 / 549.4 → 507.7 µs (INT4); 104 and 88
+# spill and lose (eval/results/decode-regs-sweep-*.md).
+MAXNREG = 128
 # Merge the splits inside the decode launch (the last split program of a tile to finish, through an
 # arrival counter) instead of a second kernel. Validated on the H100 by eval/check_decode.py (fused
 # and two-kernel results agree with the reference; repeats are identical) and faster there at short
@@ -126,7 +132,7 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
            length: torch.Tensor | None = None,
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
            num_warps: int = 4, num_stages: int | None = None, waves: float | None = None,
-           fused_combine: bool | None = None) -> torch.Tensor:
+           fused_combine: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """Attention of q (B, Hq, Nq, D) over the first ``nk`` cached tokens → (B, Nq, Hq, D) in q's dtype.
 
     ``causal`` aligns the diagonal bottom-right (query i sees keys ≤ nk − Nq + i); with one query it
@@ -136,7 +142,8 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     replays correctly as the cache grows.
     No host synchronization, no allocation but ``out`` when it is not given; one kernel launch, two
     with several splits unless ``fused_combine`` (default: :data:`FUSED_COMBINE`) merges them in it.
-    ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves`` tune the launch.
+    ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
+    thread, default :data:`MAXNREG`, 0 for none: more programs per SM) tune the launch.
     """
     b, hq, nq, d = q.shape
     hk = kq.shape[1]
@@ -165,6 +172,9 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     else:
         part_o = part_m = part_l = counter = None
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    maxnreg = MAXNREG if maxnreg is None else maxnreg
+    if maxnreg and not interp:
+        extra["maxnreg"] = maxnreg
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),

@@ -1,0 +1,158 @@
+"""Accuracy of generation through the quantized KV cache on a real model (issue 10, item 7).
+
+    python eval/cache_accuracy.py --out eval/results            # SmolLM2-135M-Instruct, CPU, ≈ 15 min
+
+1. Perplexity through the cache: WikiText-2 *test* windows fed in chunks of ``--chunk`` tokens, each
+   chunk attending to the cache of everything before it. The NLL counts the tokens predicted by every
+   chunk but the first (those attend to cached tokens only through the cache; the first chunk is the
+   prefill). Modes: transformers' DynamicCache with SDPA (full-precision cache, the reference) and
+   ``hf_qattn.QAttnCache`` with ``attn_implementation="qattn"``, INT8 K or INT4 K in every layer (FP8 V).
+2. Greedy agreement: ``--prompts`` prompts of ``--prompt-len`` tokens from WikiText-2 test, ``--new``
+   greedy tokens each, DynamicCache + SDPA vs QAttnCache INT8 + qattn: the fraction of positions where the
+   tokens agree, and how many tokens each run generates before the first difference.
+
+The model runs in float32 on the CPU, so the reference cache is float32 (a bf16 cache rounds K and V to
+8 bits of mantissa; the quantized cache's error is far larger). On a CPU without the Triton
+interpreter, qattn runs the PyTorch reference of the kernels' math (the decode kernel's: K/V quantized
+per token exactly as stored, attention in float32). The prefill chunk of the qattn modes runs qattn's
+prefill path (INT8 Q·Kᵀ, FP8 P·V), so part 2 measures the whole qattn pipeline, part 1 mostly the cache.
+Writes ``cache-accuracy-<device>-<date>.md`` (and .json) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from calibration_study import DATA, DEFAULT_MODEL, windows  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out", default="eval/results")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new", type=int, default=256)
+    return p.parse_args(argv)
+
+
+def chunked_nll(model, ids, make_cache, chunk: int) -> tuple[float, int]:
+    """Summed next-token NLL of the tokens predicted by chunks 2.., feeding ``ids`` (1, L) chunk by chunk."""
+    import torch
+
+    cache = make_cache()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, ids.shape[1] - 1, chunk):
+            piece = ids[:, start: start + chunk]
+            logits = model(piece, past_key_values=cache, use_cache=True).logits.float()
+            target = ids[:, start + 1: start + 1 + piece.shape[1]]
+            logits = logits[:, : target.shape[1]]
+            if start > 0:
+                loss = torch.nn.functional.cross_entropy(logits[0], target[0], reduction="sum")
+                nll += float(loss)
+                count += target.shape[1]
+    return nll, count
+
+
+def greedy(model, prompt, make_cache, new: int):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(prompt, past_key_values=make_cache(), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    return out[0, prompt.shape[1]:]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import transformers as tf
+
+    import hf_qattn
+
+    torch.manual_seed(0)
+    tokenizer = tf.AutoTokenizer.from_pretrained(args.model)
+    model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    test_path = os.path.join(DATA, "test.txt")
+    modes = {
+        "DynamicCache + SDPA (float32 cache)": ("sdpa", lambda: tf.DynamicCache(config=model.config)),
+        "QAttnCache INT8 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8")),
+        "QAttnCache INT4 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int4")),
+    }
+    report = {"model": args.model, "args": vars(args), "perplexity": {}, "greedy": {}}
+    texts = windows(tokenizer, test_path, args.windows, args.length)
+    for name, (impl, make_cache) in modes.items():
+        model.set_attn_implementation(impl)
+        started = time.perf_counter()
+        nll = count = 0
+        for row in texts:
+            a, b = chunked_nll(model, row[None], make_cache, args.chunk)
+            nll, count = nll + a, count + b
+        report["perplexity"][name] = {"ppl": math.exp(nll / count), "tokens": count,
+                                      "seconds": time.perf_counter() - started}
+        print(name, report["perplexity"][name], flush=True)
+    base_ppl = report["perplexity"]["DynamicCache + SDPA (float32 cache)"]["ppl"]
+
+    prompts = windows(tokenizer, test_path, args.prompts, args.prompt_len)
+    runs = {}
+    for name in ("DynamicCache + SDPA (float32 cache)", "QAttnCache INT8 K + FP8 V, qattn"):
+        impl, make_cache = modes[name]
+        model.set_attn_implementation(impl)
+        started = time.perf_counter()
+        runs[name] = [greedy(model, p[None], make_cache, args.new) for p in prompts]
+        print(name, "greedy done in", round(time.perf_counter() - started), "s", flush=True)
+    ref, got = runs.values()
+    agree = [float((a == b).float().mean()) for a, b in zip(ref, got)]
+    first = [int((a != b).nonzero()[0]) if bool((a != b).any()) else args.new for a, b in zip(ref, got)]
+    report["greedy"] = {"agreement_mean": statistics.mean(agree), "identical": sum(f == args.new for f in first),
+                        "first_difference_median": statistics.median(first), "first_difference": first,
+                        "agreement": agree}
+    print(report["greedy"], flush=True)
+
+    date = datetime.date.today().isoformat()
+    lines = [f"# Generation through the quantized KV cache — SmolLM2-135M-Instruct, CPU, {date}", "",
+             f"torch {torch.__version__}, transformers {tf.__version__}, hf_qattn {hf_qattn.__version__}, "
+             f"{platform.processor() or platform.machine()}; float32 model; command: "
+             f"`python eval/cache_accuracy.py {' '.join(sys.argv[1:])}`", "",
+             f"## Perplexity through the cache: {args.windows} WikiText-2 test windows of {args.length} tokens, "
+             f"fed {args.chunk} tokens at a time (NLL of the tokens predicted by every chunk but the first)", "",
+             "| cache | token perplexity | vs full-precision cache | tokens | s |", "|---|---|---|---|---|"]
+    for name, r in report["perplexity"].items():
+        lines.append(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / base_ppl - 1):+.2f} % | {r['tokens']} | "
+                     f"{r['seconds']:.0f} |")
+    g = report["greedy"]
+    lines += ["", f"## Greedy agreement: {args.prompts} prompts of {args.prompt_len} WikiText-2 test tokens, "
+              f"{args.new} new tokens, QAttnCache INT8 + qattn vs DynamicCache + SDPA", "",
+              f"- positions where the tokens agree: {100 * g['agreement_mean']:.1f} % (mean over prompts)",
+              f"- prompts whose {args.new} tokens are identical: {g['identical']} of {args.prompts}",
+              f"- tokens before the first difference: median {g['first_difference_median']}, per prompt "
+              f"{g['first_difference']}", ""]
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"cache-accuracy-smollm2-cpu-{date}")
+    with open(path + ".md", "w") as f:
+        f.write(text)
+    with open(path + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    print("written:", path + ".md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

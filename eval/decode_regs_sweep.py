@@ -1,0 +1,51 @@
+"""Decode kernel: register cap × pipeline stages × waves, at B8 Hq32/Hk8 d128 (one GPU run).
+
+    bash eval/device_run.sh bash -c 'cd eval && python3 decode_regs_sweep.py'
+
+Nsight Compute (eval/results/ncu/ncu-decode-*.txt) shows the kernel at 144 registers a thread, so 3
+programs of 4 warps an SM (18.75 % occupancy) and 64 % (INT8) / 38 % (INT4) of DRAM bandwidth at L64k:
+too few bytes in flight. ``maxnreg`` caps the registers (spills, if any, are printed) so more programs
+fit an SM (0: no cap). Prints µs a step per configuration, with the compiled kernel's registers and spills.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from bench_decode import fill_cache, time_us
+from hf_qattn.kernels import decode_launch
+from hf_qattn.kernels.decode import decode_kernel
+from hf_qattn.kernels.fast_launch import fast
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    b, hq, hk, d = 8, 32, 8, 128
+    print("| L | K | stages | maxnreg | waves | µs | regs | spills |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in (16384, 65536):
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        for precision in ("int8", "int4"):
+            kq, ks, vq, vs, _, v_bar = fill_cache(k, v, d, precision == "int4", "cuda")
+            for stages, maxnreg, waves in itertools.product((2, 3), (0, 128, 104, 88), (8, 16)):
+                def run():
+                    decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=precision == "int4", num_stages=stages,
+                                         maxnreg=maxnreg, waves=waves)
+                try:
+                    us = time_us(run, 20, 7)
+                    kernels = [kern for kern, _ in fast(decode_kernel).kernels.values()]
+                    last = kernels[-1]
+                    regs, spills = getattr(last, "n_regs", "?"), getattr(last, "n_spills", "?")
+                except Exception as error:  # noqa: BLE001
+                    us, regs, spills = float("nan"), f"{type(error).__name__}: {error}"[:80], "-"
+                print(f"| {n} | {precision} | {stages} | {maxnreg} | {waves} | {us:.1f} | {regs} | {spills} |",
+                      flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""One kernel case run a few times, for Nsight Compute to profile (what bounds a kernel, measured).
+
+    ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
+        python3 eval/ncu_case.py decode-int8
+
+Cases: ``decode-int8`` / ``decode-int4`` (one decode step, B8 Hq32/Hk8 L64k d128, bf16 queries, the
+launcher's split plan), ``prefill-1k`` (qattn on the Hopper path, B4 H32 N1k d128 fp16: the centers,
+K/V-pass and attention kernels). Each case runs 5 times; skip the first launches (compilation) in ncu.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main(case: str) -> None:
+    torch.manual_seed(0)
+    if case.startswith("decode"):
+        from hf_qattn import cache_math
+        from hf_qattn.kernels import decode_launch
+
+        int4 = case.endswith("int4")
+        b, hq, hk, n, d = 8, 32, 8, 65536, 128
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k_bar, v_bar = cache_math.centers(k, v)
+        kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device="cuda", dtype=torch.int8)
+        ks, vs = (torch.empty(b, hk, n, device="cuda") for _ in range(2))
+        vq = torch.empty(b, hk, n, d, device="cuda", dtype=torch.float8_e4m3fn)
+        decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        for _ in range(5):
+            decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4)
+    elif case == "prefill-1k":
+        import hf_qattn
+
+        q, k, v = (torch.randn(4, 32, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+        for _ in range(5):
+            hf_qattn.qattn(q, k, v)
+    else:
+        raise SystemExit(f"unknown case {case!r}: decode-int8, decode-int4, prefill-1k")
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
