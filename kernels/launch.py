@@ -31,7 +31,8 @@ LOG2E = 1.4426950408889634
 
 
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
-                      v_range: torch.Tensor | None = None, block_n: int = 128, k_range: torch.Tensor | None = None):
+                      v_range: torch.Tensor | None = None, block_n: int = 128, k_range: torch.Tensor | None = None,
+                      maxnreg: int = 0):
     """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off. Each program
     sums ``rows`` sampled tokens a step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the
     same launch also writes V's range per channel there (see ``centers_kernel``); ``k_range``, the same for
@@ -51,9 +52,14 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, r
         math.ceil(nk / sample) if nk > sample else 1, tiles,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows, BLOCK_N=block_n,
         SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, WITH_V_RANGE=v_range is not None,
-        WITH_K_RANGE=k_range is not None, num_warps=num_warps,
+        WITH_K_RANGE=k_range is not None, num_warps=num_warps, **_register_cap(maxnreg),
     )
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
+
+
+def _register_cap(maxnreg: int) -> dict:
+    """The launch option capping registers a thread (0: none; the interpreter takes no such option)."""
+    return {"maxnreg": maxnreg} if maxnreg and not tuning.interpreting() else {}
 
 
 @dataclasses.dataclass
@@ -91,11 +97,12 @@ class QuantizedKV:
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
                 permute_v: bool = False, num_warps: int | None = None, fuse_ds: bool = True,
-                split: bool = False) -> QuantizedKV:
+                split: bool = False, maxnreg: tuple[int, int] = (0, 0)) -> QuantizedKV:
     """Centers (and, for per-channel V scales, V's range: one read of V in the same launch), then one
     pass over K and V.
     ΔS is written by the K/V pass (``fuse_ds``) or by :func:`delta_scores` after it (same values).
-    ``split``: also K's split channel per kv head (kernels/quantize.py), out of K̂ and into ``kc``."""
+    ``split``: also K's split channel per kv head (kernels/quantize.py), out of K̂ and into ``kc``.
+    ``maxnreg``: register caps a thread of the centers launch and of the K/V pass (0: none)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
@@ -109,7 +116,8 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
     vs = ranges[0] if v_channel_scale else torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
     k_range = ranges[-1] if split else None
     q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v, block_n=block_n,
-                                            v_range=vs if v_channel_scale else None, k_range=k_range)
+                                            v_range=vs if v_channel_scale else None, k_range=k_range,
+                                            maxnreg=maxnreg[0])
     split_channel = torch.empty(b * hk if split else 0, device=device, dtype=torch.int32)
     kq = torch.empty(b * hk * nk_pad, d_pad, device=device, dtype=torch.int8)
     ks = torch.empty(b * hk, nk_pad if k_token_scale else tiles, device=device, dtype=torch.float32)
@@ -124,7 +132,7 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
         K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
         HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), FUSE_DS=fuse_ds, SPLIT=split,
-        num_warps=num_warps,
+        num_warps=num_warps, **_register_cap(maxnreg[1]),
     )
     if not fuse_ds:
         delta_scores(k, k_bar, q_bar, ds, hq=hq, sm_scale=sm_scale, kv_start=kv_start, kv_end=kv_end,
