@@ -71,15 +71,18 @@ class PackedKV(torch.Tensor):
 _captured_step: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_qattn_captured_step", default=False)
 
 
-def step_pattern(query: torch.Tensor, key: "PackedKV", pattern, reason):
-    """Inside CapturedDecodeStep: the pattern of its step (unread while capturing), after checking the
-    mask's reading (``pattern``, ``reason``) when there was one; outside: ``(pattern, reason)`` as given."""
+def step_pattern(query: torch.Tensor, key: "PackedKV", read_mask):
+    """(pattern, reason) of an attention call on a packed cache layer: ``read_mask()`` (the integration's
+    reading of the call's mask) outside CapturedDecodeStep. Inside it, the plain causal pattern over all
+    cached tokens: while capturing taken as is (reading the mask then would be a host sync), in the
+    eager warm-up steps checked against ``read_mask()`` — a mask with key ranges (padding) raises."""
     if not _captured_step.get():
-        return pattern, reason
-    if pattern is None and reason is None:  # capturing: the plain causal pattern the warm-up steps checked
+        return read_mask()
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
         from .masks import MaskPattern
 
         return MaskPattern(query.shape[2] > 1, key.shape[2]), None
+    pattern, reason = read_mask()
     if reason is not None or pattern.kv_start is not None or pattern.kv_end is not None or pattern.kv_len != key.shape[2]:
         raise QAttnCacheError(f"CapturedDecodeStep: the step's attention mask is not the plain causal mask over all "
                               f"{key.shape[2]} cached tokens ({reason or pattern}); padded batches cannot be replayed")

@@ -353,13 +353,14 @@ def test_captured_step_refuses_a_mask_it_cannot_replay(seed):
     key, _ = layer.update(k[:, :, :1], v[:, :, :1])
     query = torch.randn(2, 4, 1, 16)
     padded = MaskPattern(False, 11, kv_start=torch.tensor([0, 3]))
-    assert cache_hook.step_pattern(query, key, padded, None) == (padded, None)
+    assert cache_hook.step_pattern(query, key, lambda: (padded, None)) == (padded, None)
     token = cache_hook._captured_step.set(True)
     try:
         with pytest.raises(qcache.QAttnCacheError, match="padded batches"):
-            cache_hook.step_pattern(query, key, padded, None)
+            cache_hook.step_pattern(query, key, lambda: (padded, None))
+        with pytest.raises(qcache.QAttnCacheError, match="padded batches"):
+            cache_hook.step_pattern(query, key, lambda: (None, "attention mask of unexpected shape or type"))
         plain = MaskPattern(False, 11)
-        assert cache_hook.step_pattern(query, key, plain, None) == (plain, None)
-        assert cache_hook.step_pattern(query, key, None, None) == (MaskPattern(False, 11), None)
+        assert cache_hook.step_pattern(query, key, lambda: (plain, None)) == (plain, None)
     finally:
         cache_hook._captured_step.reset(token)

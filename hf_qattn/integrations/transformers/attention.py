@@ -262,11 +262,8 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         return _compiled_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, is_causal=is_causal, **kwargs)
     if cache_hook.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
-        if cache_hook._captured_step.get() and query.is_cuda and torch.cuda.is_current_stream_capturing():
-            pattern, reason = None, None  # the mask cannot be read now: step_pattern knows it
-        else:
-            pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
-        pattern, reason = cache_hook.step_pattern(query, key, pattern, reason)
+        pattern, reason = cache_hook.step_pattern(query, key, lambda: kernel_pattern(
+            module, query, key, value, attention_mask, dropout, is_causal, kwargs))
         if reason is None:
             return cache_hook.packed_attention(query, key, pattern, scaling), None
         key, value = cache_hook.dequantize(key), cache_hook.dequantize(value)  # the paths below serve the rest
