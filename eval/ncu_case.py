@@ -5,8 +5,9 @@
         python3 eval/ncu_case.py decode-int8
 
 Cases: ``decode-int8`` / ``decode-int4`` (one decode step, B8 Hq32/Hk8 L64k d128, bf16 queries, the
-launcher's split plan), ``prefill-1k`` (qattn on the Hopper path, B4 H32 N1k d128 fp16: the centers,
-K/V-pass and attention kernels). Each case runs 5 times; skip the first launches (compilation) in ncu.
+launcher's split plan); ``prefill-<shape>`` (qattn on the Hopper path, B4 H32 fp16: the centers, K/V-pass
+and attention kernels) and ``cudnn-<shape>`` (SDPA's cuDNN backend), shapes 1k, 8k, 8k-causal, 4k-d64
+(see PREFILL). Each case runs 5 times; skip the first launches (compilation) in ncu.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from __future__ import annotations
 import sys
 
 import torch
+
+
+# B4 H32 fp16 prefill shapes: name → (label, N, head dim, causal)
+PREFILL = {"1k": ("d128 N1k", 1024, 128, False), "8k": ("d128 N8k", 8192, 128, False),
+           "8k-causal": ("d128 N8k causal", 8192, 128, True), "4k-d64": ("d64 N4k", 4096, 64, False)}
 
 
 def main(case: str) -> None:
@@ -33,14 +39,19 @@ def main(case: str) -> None:
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         for _ in range(5):
             decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4)
-    elif case == "prefill-1k":
+    elif case.startswith(("prefill-", "cudnn-")):
         import hf_qattn
 
-        q, k, v = (torch.randn(4, 32, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+        _, n, d, causal = PREFILL[case.split("-", 1)[1]]
+        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
         for _ in range(5):
-            hf_qattn.qattn(q, k, v)
+            if case.startswith("prefill-"):
+                hf_qattn.qattn(q, k, v, is_causal=causal)
+            else:
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     else:
-        raise SystemExit(f"unknown case {case!r}: decode-int8, decode-int4, prefill-1k")
+        raise SystemExit(f"unknown case {case!r}: decode-int8, decode-int4, prefill-/cudnn- + {list(PREFILL)}")
     torch.cuda.synchronize()
 
 
