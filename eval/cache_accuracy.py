@@ -49,6 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--greedy-modes", default="bf16,int8",
+                   help="runs compared with the float32-cache run: bf16, int8, int4, qattn-dynamic (qattn attention "
+                        "over transformers' DynamicCache: the pipeline without the quantized cache)")
+    p.add_argument("--skip-perplexity", action="store_true")
+    p.add_argument("--suffix", default="", help="appended to the output file names")
     return p.parse_args(argv)
 
 
@@ -103,10 +108,16 @@ def main(argv=None) -> int:
         "DynamicCache + SDPA, K/V rounded to bf16": ("sdpa", lambda: Bf16Cache(config=model.config)),
         "QAttnCache INT8 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8")),
         "QAttnCache INT4 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int4")),
+        "DynamicCache + qattn (no quantized cache)": ("qattn", lambda: tf.DynamicCache(config=model.config)),
     }
+    short = {"fp32": "DynamicCache + SDPA (float32 cache)", "bf16": "DynamicCache + SDPA, K/V rounded to bf16",
+             "int8": "QAttnCache INT8 K + FP8 V, qattn", "int4": "QAttnCache INT4 K + FP8 V, qattn",
+             "qattn-dynamic": "DynamicCache + qattn (no quantized cache)"}
     report = {"model": args.model, "args": vars(args), "perplexity": {}, "greedy": {}}
     texts = windows(tokenizer, test_path, args.windows, args.length)
     for name, (impl, make_cache) in modes.items():
+        if args.skip_perplexity or name == short["qattn-dynamic"]:
+            continue
         model.set_attn_implementation(impl)
         started = time.perf_counter()
         nll = count = 0
@@ -116,12 +127,11 @@ def main(argv=None) -> int:
         report["perplexity"][name] = {"ppl": math.exp(nll / count), "tokens": count,
                                       "seconds": time.perf_counter() - started}
         print(name, report["perplexity"][name], flush=True)
-    base_ppl = report["perplexity"]["DynamicCache + SDPA (float32 cache)"]["ppl"]
+    base_ppl = report["perplexity"].get(short["fp32"], {}).get("ppl", float("nan"))
 
     prompts = windows(tokenizer, test_path, args.prompts, args.prompt_len)
     runs = {}
-    greedy_modes = ("DynamicCache + SDPA (float32 cache)", "DynamicCache + SDPA, K/V rounded to bf16",
-                    "QAttnCache INT8 K + FP8 V, qattn")
+    greedy_modes = [short["fp32"]] + [short[m.strip()] for m in args.greedy_modes.split(",") if m.strip()]
     for name in greedy_modes:
         impl, make_cache = modes[name]
         model.set_attn_implementation(impl)
@@ -144,10 +154,11 @@ def main(argv=None) -> int:
     lines = [f"# Generation through the quantized KV cache — SmolLM2-135M-Instruct, CPU, {date}", "",
              f"torch {torch.__version__}, transformers {tf.__version__}, hf_qattn {hf_qattn.__version__}, "
              f"{platform.processor() or platform.machine()}; float32 model; command: "
-             f"`python eval/cache_accuracy.py {' '.join(sys.argv[1:])}`", "",
-             f"## Perplexity through the cache: {args.windows} WikiText-2 test windows of {args.length} tokens, "
-             f"fed {args.chunk} tokens at a time (NLL of the tokens predicted by every chunk but the first)", "",
-             "| cache | token perplexity | vs full-precision cache | tokens | s |", "|---|---|---|---|---|"]
+             f"`python eval/cache_accuracy.py {' '.join(sys.argv[1:])}`", ""]
+    if report["perplexity"]:
+        lines += [f"## Perplexity through the cache: {args.windows} WikiText-2 test windows of {args.length} tokens, "
+                  f"fed {args.chunk} tokens at a time (NLL of the tokens predicted by every chunk but the first)", "",
+                  "| cache | token perplexity | vs full-precision cache | tokens | s |", "|---|---|---|---|---|"]
     for name, r in report["perplexity"].items():
         lines.append(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / base_ppl - 1):+.2f} % | {r['tokens']} | "
                      f"{r['seconds']:.0f} |")
@@ -165,7 +176,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"cache-accuracy-smollm2-cpu-{date}")
+    path = os.path.join(args.out, f"cache-accuracy-smollm2-cpu-{date}{args.suffix}")
     with open(path + ".md", "w") as f:
         f.write(text)
     with open(path + ".json", "w") as f:
