@@ -76,7 +76,6 @@ class CapturedDecodeStep:
                              cache_position=self._position, past_key_values=self.cache, use_cache=True)
         finally:
             _captured_step.reset(token)
-        self._position.add_(1)
         return out.logits
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -90,6 +89,9 @@ class CapturedDecodeStep:
             raise QAttnCacheError("the cache's storage moved (reorder/select of the batch): build a new "
                                   "CapturedDecodeStep")
         self._ids.copy_(input_ids)
+        # the position from the cache's own count, every call (outside any capture): steps run on the cache
+        # by other code in between keep the replayed step's positions right
+        self._position.fill_(layers[0].length)
         if self._warmup > 0:  # eager: compiles and warms every kernel the captured step launches
             self._warmup -= 1
             return self._forward()

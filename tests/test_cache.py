@@ -327,6 +327,15 @@ def test_captured_decode_step_runs_the_step_it_captures(seed):
     logits = _stepped_logits(model, ids, cache, steps, step)
     torch.testing.assert_close(logits, base, rtol=0, atol=1e-5)
     assert cache.get_seq_length() == 14
+    # a step run on the cache by other code in between: the next step's position follows the cache
+    more = torch.randint(1, 128, (2, 2))
+    reference = hf_qattn.QAttnCache(model, static_max_len=20)
+    expected = _stepped_logits(model, ids, reference, torch.cat([steps, more], 1))[:, -1]
+    with torch.no_grad():
+        holder["step"] = hf_qattn.CapturedDecodeStep(model, cache, warmup=1)
+        model(more[:, :1], past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(holder["step"](more[:, 1:])[:, -1], expected, rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 16
     with pytest.raises(qcache.QAttnCacheError, match="CUDA"):
         holder["step"](steps[:, :1])  # the fourth call would capture
     with pytest.raises(ValueError, match="input_ids must have shape"):
