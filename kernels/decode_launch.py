@@ -172,9 +172,7 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     else:
         part_o = part_m = part_l = counter = None
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    maxnreg = MAXNREG if maxnreg is None else maxnreg
-    if maxnreg and not interp:
-        extra["maxnreg"] = maxnreg
+    extra.update(tuning.register_cap(MAXNREG if maxnreg is None else maxnreg))
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),

@@ -43,8 +43,9 @@ def _mode() -> str:
 _VERSION_OK = triton.__version__.startswith(VALIDATED)
 
 
-def enabled() -> bool:
-    return _mode() != "0" and _VERSION_OK and not tuning.interpreting()
+def enabled(mode: str | None = None) -> bool:
+    """Whether launches may skip Triton's path (``mode``: the switch's value, read once by the caller)."""
+    return (_mode() if mode is None else mode) != "0" and _VERSION_OK and not tuning.interpreting()
 
 
 def _int_key(value: int) -> int:
@@ -115,8 +116,7 @@ class FastLauncher:
     def launch(self, grid, args: tuple, kwargs: dict):
         mode = _mode()
         runtime = triton.knobs.runtime
-        if (mode == "0" or not _VERSION_OK or tuning.interpreting() or _hooked(runtime.launch_enter_hook)
-                or _hooked(runtime.launch_exit_hook)):
+        if not enabled(mode) or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return self.jit_fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = (device, _args_key(args), tuple(kwargs.items()))

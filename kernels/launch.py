@@ -52,14 +52,9 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, r
         math.ceil(nk / sample) if nk > sample else 1, tiles,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows, BLOCK_N=block_n,
         SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, WITH_V_RANGE=v_range is not None,
-        WITH_K_RANGE=k_range is not None, num_warps=num_warps, **_register_cap(maxnreg),
+        WITH_K_RANGE=k_range is not None, num_warps=num_warps, **tuning.register_cap(maxnreg),
     )
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
-
-
-def _register_cap(maxnreg: int) -> dict:
-    """The launch option capping registers a thread (0: none; the interpreter takes no such option)."""
-    return {"maxnreg": maxnreg} if maxnreg and not tuning.interpreting() else {}
 
 
 @dataclasses.dataclass
@@ -132,7 +127,7 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
         K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
         HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), FUSE_DS=fuse_ds, SPLIT=split,
-        num_warps=num_warps, **_register_cap(maxnreg[1]),
+        num_warps=num_warps, **tuning.register_cap(maxnreg[1]),
     )
     if not fuse_ds:
         delta_scores(k, k_bar, q_bar, ds, hq=hq, sm_scale=sm_scale, kv_start=kv_start, kv_end=kv_end,

@@ -69,6 +69,11 @@ def center_sample() -> int:
     return int(table()["center_sample"])
 
 
+def register_cap(maxnreg: int) -> dict:
+    """The launch option capping a kernel's registers a thread (0: none; the interpreter takes no such option)."""
+    return {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
+
+
 def quantize_num_warps(block_n: int, head_dim: int) -> int:
     """Warps for the K/V quantization kernel: one per 1024 elements of its tile (≈ 90 registers a
     thread for two fp32 tiles, so several programs share an SM), between 4 and 16."""
