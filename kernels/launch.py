@@ -225,6 +225,7 @@ def hopper_attention(
     stages: int | None = None,
     persistent: bool | None = None,
     split_channel: bool = False,
+    pv_tiles: int | None = None,
 ) -> torch.Tensor | None:
     """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``."""
     config = tuning.hopper_config(q.shape[-1])
@@ -235,11 +236,12 @@ def hopper_attention(
                      split=split_channel)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
-                                pingpong=config["PINGPONG"], persistent=persistent)
+                                pingpong=config["PINGPONG"], persistent=persistent, pv_tiles=pv_tiles)
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
-                         kv_end, return_lse: bool, stages: int, pingpong: bool, persistent: bool | None = None):
+                         kv_end, return_lse: bool, stages: int, pingpong: bool, persistent: bool | None = None,
+                         pv_tiles: int | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
     from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
@@ -262,7 +264,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
         P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, PERSISTENT=persistent,
-        SPLIT=kv.with_split, num_warps=4,
+        SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"], num_warps=4,
     )
     return lse
 

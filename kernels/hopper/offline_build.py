@@ -25,15 +25,18 @@ def _tool(name: str) -> str:
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int = 3,
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16", pingpong: bool = False,
-                 persistent: bool = False, split: bool = False):
+                 persistent: bool = False, split: bool = False, pv_tiles: int | None = None):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
     from .gluon_api import gl
 
-    d_pad = 64 if head_dim <= 64 else 128
-    block_n = 128
+    from .. import tuning
+
+    d_pad = tuning.padded_head_dim(head_dim)
+    block_n = tuning.hopper_config(head_dim)["BLOCK_N"]
+    pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
 
     def descriptor(type_name, gl_type, shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
@@ -56,7 +59,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     }
     constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
-                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse, "PINGPONG": pingpong, "PERSISTENT": persistent, "SPLIT": split}
+                  "P_LOG2": _P_LOG2_FP8, "RETURN_LSE": return_lse, "PINGPONG": pingpong, "PERSISTENT": persistent, "SPLIT": split,
+                  "PV_TILES": pv_tiles}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
@@ -104,6 +108,24 @@ def opcode_counts(kernel) -> collections.Counter:
                                           sass(kernel), flags=re.M))
 
 
+def loop_local_memory(kernel) -> list[int]:
+    """Local-memory loads and stores (LDL/STL) in each main loop (one per consumer warpgroup): the
+    innermost SASS loops that issue the FP8 wgmma. A loop is the range from a label to a later branch
+    back to it, spanning no EXIT. Outside the main loops ptxas may keep a value such as the thread index in a stack slot
+    without reporting a spill; that costs a load per work item, not per tile."""
+    lines = sass(kernel).splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i and any("QGMMA" in b for b in lines[labels[target.group(1)]:i]):
+            loops.append((labels[target.group(1)], i))
+    # the branches back from the slow paths placed after the code (mbarrier retries) span an EXIT
+    loops = [(a, b) for a, b in loops if not any("EXIT" in line for line in lines[a:b])]
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [sum(bool(re.search(r"\b(LDL|STL)\b", line)) for line in lines[a:b + 1]) for a, b in innermost]
+
+
 if __name__ == "__main__":
     import json
     import sys
@@ -111,5 +133,5 @@ if __name__ == "__main__":
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     k = compile_sm90(**args)
     ops = opcode_counts(k)
-    print(json.dumps({**resources(k), **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "MUFU", "LDL", "STL",
+    print(json.dumps({**resources(k), "loop_LDL_STL": loop_local_memory(k), **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "MUFU", "LDL", "STL",
                                                                "SHFL", "I2F", "F2FP", "PRMT") if ops[op]}}))
