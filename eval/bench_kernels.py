@@ -34,10 +34,13 @@ from hf_qattn.metrics import accuracy  # noqa: E402
 
 SDPA = torch.nn.attention.SDPBackend
 
-try:
+try:  # SageAttention: the 1.0.6 wheel (Triton), or SageAttention2 built from source (eval/build_sageattention.sh;
+    # put .sage on PYTHONPATH), whose sm90 kernel is the method's own Hopper kernel
+    import sageattention
     from sageattention import sageattn
-except ImportError:  # optional peer
-    sageattn = None
+    sage2_sm90 = getattr(sageattention, "sageattn_qk_int8_pv_fp8_cuda_sm90", None)
+except ImportError:  # optional peers
+    sageattn = sage2_sm90 = None
 
 
 def log(*args):
@@ -102,7 +105,7 @@ def accuracy_rows(dtype, n=4096, heads=8):
                     q, k, v, is_causal=causal),
             }
             if sageattn is not None:
-                methods["sageattn-1.0.6"] = lambda: sageattn(q, k, v, is_causal=causal)
+                methods["sageattn"] = lambda: sageattn(q, k, v, is_causal=causal)
             for name, fn in methods.items():
                 acc = accuracy(fn(), ref)
                 rows.append({"d": d, "N": n, "causal": causal, "method": name,
@@ -146,15 +149,21 @@ def speed_rows(shapes, batch=4, heads=32):
             "cudnn": sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal),
             "flash": sdpa_with(SDPA.FLASH_ATTENTION, q, k, v, causal),
         }
-        if sageattn is not None:
+        if sage2_sm90 is not None:  # its defaults: INT8 Q·Kᵀ per thread, FP8 P·V with two-level accumulation
+            methods["sage2-sm90"] = lambda: sage2_sm90(q, k, v, tensor_layout="HND", is_causal=causal)
+        elif sageattn is not None:
             methods["sage1"] = lambda: sageattn(q, k, v, is_causal=causal)
         row = {"shape": label or f"B{b} H{h}", "dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
         for name, fn in methods.items():
             ms = time_ms(fn)
             row[name] = flops / (ms * 1e-3) / 1e12
         row["8b/cudnn"] = row["qattn-8b"] / row["cudnn"]
+        extra = ["8b/cudnn"]
+        if "sage2-sm90" in row:
+            row["8b/sage2"] = row["qattn-8b"] / row["sage2-sm90"]
+            extra.append("8b/sage2")
         rows.append(row)
-        log("   ", fmt_row(row, list(methods) + ["8b/cudnn"]))
+        log("   ", fmt_row(row, list(methods) + extra))
         del q, k, v
     return rows
 
@@ -289,11 +298,29 @@ def markdown(rows):
     return "\n".join(lines) + "\n"
 
 
+def run_checks(sections, save):
+    """The check and accuracy sections."""
+    log("== check: kernels vs reference (same tiles)")
+    check_rows = check(torch.float16) + check(torch.bfloat16)
+    for row in check_rows:
+        log("   ", row)
+    sections.append("## Kernels vs reference (same tiles, ragged shapes)\n\n" + markdown(check_rows))
+    save()
+
+    log("== accuracy vs FP32 on outlier inputs (eval/synthetic.py), B1 H8 N4096")
+    acc_rows = accuracy_rows(torch.float16) + accuracy_rows(torch.bfloat16)
+    for row in acc_rows:
+        log("   ", row)
+    sections.append("## Accuracy vs FP32 attention, synthetic outlier inputs, B1 H8 N4096\n\n" + markdown(acc_rows))
+    save()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--tune", action="store_true", help="also sweep tile configurations")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--speed-only", action="store_true", help="only the speed table (no check, accuracy, sm90 steps)")
     parser.add_argument("--stages-only", action="store_true", help="only the per-stage times of one call")
     parser.add_argument("--hopper-only", action="store_true", help="only the sm90 Gluon kernel's table")
     parser.add_argument("--skip-hopper-table", action="store_true",
@@ -313,7 +340,8 @@ def main():
     header = (f"GPU: {gpu} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), date {date}, "
               f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
               f"python {platform.python_version()}, hf_qattn {hf_qattn.__version__}, "
-              f"sageattention {'1.0.6' if sageattn else 'not installed'}")
+              f"sageattention {getattr(sageattention, '__version__', 'from source') if sageattn else 'not installed'}"
+              + (" (SageAttention2 sm90 kernel: sageattn_qk_int8_pv_fp8_cuda_sm90)" if sage2_sm90 else ""))
     log(header)
     sections = [f"# Kernel benchmark — {gpu}\n\n{header}\n"]
 
@@ -333,20 +361,10 @@ def main():
         save()
         return
 
-    log("== check: kernels vs reference (same tiles)")
-    check_rows = check(torch.float16) + check(torch.bfloat16)
-    for row in check_rows:
-        log("   ", row)
-    sections.append("## Kernels vs reference (same tiles, ragged shapes)\n\n" + markdown(check_rows))
-    save()
-
-    log("== accuracy vs FP32 on outlier inputs (eval/synthetic.py), B1 H8 N4096")
-    acc_rows = accuracy_rows(torch.float16) + accuracy_rows(torch.bfloat16)
-    for row in acc_rows:
-        log("   ", row)
-    sections.append("## Accuracy vs FP32 attention, synthetic outlier inputs, B1 H8 N4096\n\n" + markdown(acc_rows))
-    save()
-
+    if args.speed_only:
+        args.skip_hopper_table = True
+    else:
+        run_checks(sections, save)
     if args.tune:
         log("== tile sweep (qattn-8b, fp16, N=8192); the winners are used for the rest of this run")
         rules, tune_rows = tune(torch.float16)
