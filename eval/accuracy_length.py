@@ -48,19 +48,20 @@ def reference_rows(q, k, v, rows):
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, rows].float(), k.float(), v.float())
 
 
+def _options(q):
+    return dict(is_causal=False, sm_scale=q.shape[-1] ** -0.5, qk="int8", smooth_q=True, smooth_k=True,
+                smooth_v=True, kv_start=None, kv_end=None, return_lse=False)
+
+
 def hopper(q, k, v, pv_tiles):
     out = torch.empty_like(q)
-    launch.hopper_attention(q, k, v, out, is_causal=False, sm_scale=q.shape[-1] ** -0.5, qk="int8", smooth_q=True,
-                            smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=False,
-                            pv_tiles=pv_tiles)
+    launch.hopper_attention(q, k, v, out, pv_tiles=pv_tiles, **_options(q))
     return out
 
 
 def portable(q, k, v):
     out = torch.empty_like(q)
-    launch.triton_attention(q, k, v, out, is_causal=False, sm_scale=q.shape[-1] ** -0.5, qk="int8", v_fp8=True,
-                            smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None,
-                            return_lse=False)
+    launch.triton_attention(q, k, v, out, v_fp8=True, **_options(q))
     return out
 
 

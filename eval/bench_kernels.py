@@ -203,10 +203,7 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                         rep=100, return_mode="median"),
                     "gluon-kernel": time_ms(lambda: launch.hopper_kernel_launch(
                         q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                        return_lse=False, stages=config["STAGES"], pingpong=config["PINGPONG"])),
-                    "kernel-other": time_ms(lambda: launch.hopper_kernel_launch(  # the other ping-pong setting
-                        q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                        return_lse=False, stages=config["STAGES"], pingpong=not config["PINGPONG"])),
+                        return_lse=False, stages=config["STAGES"])),
                     "prepass": time_ms(prepass),
                     "centers": time_ms(lambda: launch.smoothing_centers(q, k, v, True, True, True)),
                     **{f"prepass-w{w}": time_ms(lambda: prepass(w)) for w in (8, 16)},
@@ -214,7 +211,7 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                 }
                 row = {"dtype": str(dtype).split(".")[-1], "d": d, "causal": causal, "N": n}
                 row.update({name: flops / (times[name] * 1e-3) / 1e12 for name in
-                            ("cudnn", "triton-8b", "gluon-8b", "gluon-8b-graph", "gluon-kernel", "kernel-other")})
+                            ("cudnn", "triton-8b", "gluon-8b", "gluon-8b-graph", "gluon-kernel")})
                 row["gluon/cudnn"] = row["gluon-8b"] / row["cudnn"]
                 row["kernel/cudnn"] = row["gluon-kernel"] / row["cudnn"]
                 row["prepass_ms"] = times["prepass"]

@@ -124,7 +124,7 @@ def stages_sweep(args):
                 cells = []
                 for stages in (2, 3, 4):
                     try:
-                        cells.append(f"{graph_ms(lambda s=stages: launch.hopper_kernel_launch(q, 32, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk='int8', kv_end=None, return_lse=False, stages=s, pingpong=False)) * 1e3:.1f}")  # noqa: E501
+                        cells.append(f"{graph_ms(lambda s=stages: launch.hopper_kernel_launch(q, 32, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk='int8', kv_end=None, return_lse=False, stages=s)) * 1e3:.1f}")  # noqa: E501
                     except Exception as error:  # noqa: BLE001  (a depth that does not fit shared memory)
                         cells.append(f"failed: {type(error).__name__}")
                 lines.append(f"| {d} | {n} | {causal} | " + " | ".join(cells) + f" | {config['STAGES']} |")
@@ -200,7 +200,7 @@ def main():
         def kernel_alone(persistent):
             return launch.hopper_kernel_launch(q, h, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8",
                                                kv_end=None, return_lse=False, stages=config["STAGES"],
-                                               pingpong=False, persistent=persistent)
+                                               persistent=persistent)
 
         def whole(persistent):
             return launch.hopper_attention(q, k, v, out, is_causal=False, sm_scale=d ** -0.5, qk="int8",
@@ -218,7 +218,7 @@ def main():
             "smoothing_centers": lambda: launch.smoothing_centers(q, k, v, True, True, True),
             "hopper kernel launch": lambda: launch.hopper_kernel_launch(
                 q, h, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
-                stages=config["STAGES"], pingpong=config["PINGPONG"]),
+                stages=config["STAGES"]),
             "torch.empty": lambda: torch.empty(b * h * n, d, device="cuda", dtype=torch.int8),
             "validate+decide": lambda: (hf_qattn.api._validate(q, k, v, "HND", "int8", "fp8", "auto", None, None),
                                         hf_qattn.api._decide("cuda", 0, d, "auto", "int8", "fp8", None)),

@@ -13,10 +13,35 @@ Importing hf_qattn registers ``attn_implementation="qattn"`` with transformers a
 transformers loads (nothing happens when transformers is not installed).
 """
 
-from .api import qattn
-from .integrations.transformers.calibration import calibrate
-from .plan import PlanError, QAttnPlan
-from .stats import fallback_stats, reset_fallback_stats
+import importlib.util as _importlib_util
+import os as _os
+import sys as _sys
+
+
+def _map_source_kernels() -> None:
+    """A source checkout run without installing (``python -m pytest`` from the repository root on a GPU
+    machine, say): ``kernels/`` sits beside this package, and only an install maps it to
+    ``hf_qattn.kernels`` (setuptools ``package-dir``). Map it the same way here, so that the checkout
+    imports the same modules an install would."""
+    if _importlib_util.find_spec(__name__ + ".kernels") is not None:
+        return
+    folder = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kernels")
+    spec = _importlib_util.spec_from_file_location(__name__ + ".kernels", _os.path.join(folder, "__init__.py"),
+                                                   submodule_search_locations=[folder])
+    if spec is None:
+        return
+    module = _importlib_util.module_from_spec(spec)
+    _sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    globals()["kernels"] = module  # what the import system sets on the parent package
+
+
+_map_source_kernels()
+
+from .api import qattn  # noqa: E402
+from .integrations.transformers.calibration import calibrate  # noqa: E402
+from .plan import PlanError, QAttnPlan  # noqa: E402
+from .stats import fallback_stats, reset_fallback_stats  # noqa: E402
 
 __version__ = "0.1.0"
 

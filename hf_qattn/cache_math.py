@@ -16,14 +16,8 @@ import math
 import torch
 
 from .masks import visible_keys
+from .kernels.formats import FP8_E4M3_MAX as FP8_MAX, INT_MAX, padded_head_dim  # noqa: F401 (re-exported)
 from .quant import SCALE_FLOOR, reciprocal
-
-INT_MAX = {"int8": 127.0, "int4": 7.0}
-FP8_MAX = 448.0
-
-
-def padded_head_dim(d: int) -> int:
-    return max(32, 1 << (d - 1).bit_length())
 
 
 def pack_int4(x: torch.Tensor) -> torch.Tensor:

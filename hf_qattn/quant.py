@@ -14,17 +14,14 @@ import math
 
 import torch
 
-# Largest representable magnitude of each low-precision format.
-INT_MAX = {"int8": 127.0, "int4": 7.0}
-FLOAT_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+from hf_qattn.kernels.formats import FLOAT_MAX, INT_MAX, P_SCALE, SCALE_FLOOR  # noqa: F401 (re-exported)
+
 FLOAT_DTYPE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 QK_FORMATS = ("int8", "int4", "none")
 PV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp16", "none")
 GRANULARITIES = ("tensor", "block", "warp", "token")
 V_GRANULARITIES = ("channel", "block")
-
-SCALE_FLOOR = 1e-30
 
 
 def smoothing_center(x: torch.Tensor, sample: int | None = None) -> torch.Tensor:
@@ -130,8 +127,7 @@ def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tup
     return scaled.to(FLOAT_DTYPE[fmt]).float(), scale
 
 
-# Static scale of P̃ per format: P̃ ∈ [0, 1] is computed directly as P̃·P_SCALE = 2^(S − m + log2 P_SCALE).
-P_SCALE = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0, "fp16": 1.0, "none": 1.0}
+# P_SCALE (kernels/formats.py): P̃ ∈ [0, 1] is computed directly as P̃·P_SCALE = 2^(S − m + log2 P_SCALE).
 
 
 def quantize_p(p_scaled: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -26,9 +26,9 @@ import math
 import torch
 
 from . import quant
+from .kernels.formats import LOG2E
 from .masks import visible_keys
 
-LOG2E = 1.4426950408889634
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -25,9 +25,7 @@ few tiles that straddle a boundary run the masked variant of the loop.
 import triton
 import triton.language as tl
 
-from .common import SCALE_FLOOR, int32_to_float, quantize_symmetric, to_fp8_e4m3
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from .common import LOG2E, SCALE_FLOOR, int32_to_float, quantize_symmetric, to_fp8_e4m3
 
 
 @triton.jit

@@ -3,16 +3,20 @@
 import triton
 import triton.language as tl
 
+from . import formats
+
 # Adding and subtracting 1.5·2^23 leaves a float32 rounded to the nearest integer, ties to even,
 # for |x| < 2^22 — the same rounding as torch.round, and it also runs under TRITON_INTERPRET.
-_ROUND_MAGIC = tl.constexpr(12582912.0)
+_ROUND_MAGIC = tl.constexpr(formats.ROUND_MAGIC)
 # The same constant's bit pattern: an int32 |i| < 2^22 added to it and read as float32 is
 # 1.5·2^23 + i exactly, so one integer add and one float subtract convert int32 → float32
 # without the quarter-rate conversion unit (which the softmax's exp2 already saturates).
 _ROUND_MAGIC_BITS = tl.constexpr(0x4B400000)
 
 # Scales never go below this, so an all-zero group quantizes to zeros instead of NaN.
-SCALE_FLOOR = tl.constexpr(1e-30)
+SCALE_FLOOR = tl.constexpr(formats.SCALE_FLOOR)
+FP8_MAX = tl.constexpr(formats.FP8_E4M3_MAX)
+LOG2E = tl.constexpr(formats.LOG2E)  # the softmax runs in base 2
 
 
 @triton.jit

@@ -35,7 +35,7 @@ dim needs no padding); only the last tile of a split is masked.
 import triton
 import triton.language as tl
 
-from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
+from .common import FP8_MAX, SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def append_kernel(
     v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + c[None, :] * stride_vd,
                 mask=ok, other=0.0).to(tl.float32)
     v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-    v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / 448.0
+    v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX
     vq = scale_to_fp8(v, v_scale[:, None], GRID_ROUND)
     tl.store(VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn + c[None, :], vq, mask=ok)
     tl.store(VS + s_off, v_scale, mask=row_ok)

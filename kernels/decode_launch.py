@@ -18,7 +18,7 @@ from . import tuning
 from .fast_launch import fast
 from .decode import append_kernel, combine_kernel, decode_kernel
 
-LOG2E = 1.4426950408889634
+from .formats import LOG2E
 
 
 def packed_width(head_dim: int, int4: bool) -> int:
@@ -41,11 +41,6 @@ def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int | torch.Tensor, *, int4
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4,
         GRID_ROUND=tuning.interpreting(), DEVICE_POS=device_pos, num_warps=4,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Split-count heuristic: enough (query chunk, batch·kv-head, split) programs for WAVES programs per
@@ -101,7 +96,7 @@ def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.de
                 block_n: int | None = None, num_splits: int | None = None, waves: float | None = None) -> dict:
     """Tile sizes and the split count of one decode call."""
     interp = tuning.interpreting() or device.type != "cuda"
-    sms = 0 if interp else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     block_n, block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, interp, block_n,
                                                             num_splits, waves)
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, QT=qt, chunks=chunks, num_splits=splits, split_len=split_len)

@@ -20,14 +20,11 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hf_qattn.quant import INT_MAX, P_SCALE
-
 from . import tuning
 from .fast_launch import fast
 from .attention import attention_kernel
+from .formats import INT_MAX, LOG2E, P_SCALE
 from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel
-
-LOG2E = 1.4426950408889634
 
 
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
@@ -236,11 +233,11 @@ def hopper_attention(
                      split=split_channel)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
-                                pingpong=config["PINGPONG"], persistent=persistent, pv_tiles=pv_tiles)
+                                persistent=persistent, pv_tiles=pv_tiles)
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
-                         kv_end, return_lse: bool, stages: int, pingpong: bool, persistent: bool | None = None,
+                         kv_end, return_lse: bool, stages: int, persistent: bool | None = None,
                          pv_tiles: int | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
     from .hopper.attention import attention_kernel as hopper_kernel
@@ -256,22 +253,17 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
     items = triton.cdiv(nq, 128) * b * hq  # work items: 128 query rows of one batch·query-head
-    grid = min(items, _sm_count(q.device) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
+    grid = min(items, tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, b * hq, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
-        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PINGPONG=pingpong, PERSISTENT=persistent,
+        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PERSISTENT=persistent,
         SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"], num_warps=4,
     )
     return lse
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

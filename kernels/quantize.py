@@ -37,7 +37,7 @@ the rows that see it come out NaN, as with full-precision attention.
 import triton
 import triton.language as tl
 
-from .common import SCALE_FLOOR, quantize_symmetric, scale_to_fp8
+from .common import FP8_MAX, SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
 # A channel whose range over all keys reaches this many times the head's mean channel range is split out
 # of K̂ (hf_qattn.quant.SPLIT_RATIO; the reference uses the same rule).
@@ -260,10 +260,10 @@ def quantize_kv_kernel(
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(v_inside, v - v_bar[None, :], 0.0)
     if V_CHANNEL_SCALE:  # per channel over all keys, from V's range (centers_kernel wrote it into VS)
-        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / 448.0
+        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / FP8_MAX
         vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     elif V_FP8:
-        v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / 448.0
+        v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / FP8_MAX
         vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     else:
         v_scale = tl.full([D_PAD], 1.0, tl.float32)

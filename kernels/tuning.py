@@ -14,10 +14,18 @@ from importlib import resources
 
 import torch
 
+from . import formats
+
 
 @functools.lru_cache(maxsize=None)
 def table() -> dict:
-    return json.loads(resources.files("hf_qattn.configs").joinpath("kernels.json").read_text())
+    try:
+        text = resources.files("hf_qattn.configs").joinpath("kernels.json").read_text()
+    except ModuleNotFoundError:  # a source checkout that is not installed: configs/ beside kernels/
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                               "kernels.json")) as f:
+            text = f.read()
+    return json.loads(text)
 
 
 def interpreting() -> bool:
@@ -37,9 +45,13 @@ def capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """Power of two ≥ head_dim and ≥ 32 (the K depth of one INT8 tensor-core instruction)."""
-    return max(32, 1 << (head_dim - 1).bit_length())
+padded_head_dim = formats.padded_head_dim
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once (the launchers size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def attention_config(arch: str, head_dim: int, causal: bool, pv: str = "fp8", qk: str = "int8") -> dict:

@@ -26,12 +26,12 @@ BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroup
 
 @gluon.jit
 def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem, k_smem, v_smem,
-                 ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
+                 ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
                  stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
                  WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
                  K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
-                 PINGPONG: gl.constexpr, SPLIT: gl.constexpr, PV_TILES: gl.constexpr):
+                 SPLIT: gl.constexpr, PV_TILES: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
     position after it (``base`` + its key tiles)."""
     BM: gl.constexpr = 64
@@ -52,9 +52,9 @@ def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV
     row0 = cta_row0 + WARPGROUP * BM
     q_coef, q_split = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, SPLIT_CHANNEL + bhk, row0, stride_qb, stride_qh,
                                  stride_qn, stride_qd, NQ, score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, SPLIT, qk_layout)
-    acc, l_i, m_i = attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, turn,
+    acc, l_i, m_i = attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty,
                            KS_bh, base, end, cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL,
-                           K_TOKEN_SCALE, P_LOG2, PINGPONG, SPLIT, PV_TILES, qk_layout, o_layout)
+                           K_TOKEN_SCALE, P_LOG2, SPLIT, PV_TILES, qk_layout, o_layout)
     store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
                  stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
                  HEAD_DIM, D_PAD, BM, P_LOG2, RETURN_LSE, o_layout)
@@ -63,11 +63,11 @@ def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV
 
 @gluon.jit
 def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kc_smem,
-             o_all, m_all, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+             o_all, m_all, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
              HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
              WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
-             K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+             K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
              PERSISTENT: gl.constexpr, SPLIT: gl.constexpr, PV_TILES: gl.constexpr):
     q_smem = q_all.index(WARPGROUP)
     o_smem = o_all.index(WARPGROUP)
@@ -77,16 +77,16 @@ def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE,
         base = 0  # the ring's tiles consumed before this item (the loader counts alike)
         for t in range(first, NUM_ITEMS, step):
             base = consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem, k_smem,
-                                v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn,
+                                v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn,
                                 stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                                 NUM_TILES, score_coef, sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES,
-                                QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG, SPLIT, PV_TILES)
+                                QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, SPLIT, PV_TILES)
     else:
         consume_item(gl.program_id(0), 0, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem,
-                     k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd,
+                     k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd,
                      stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
                      sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE,
-                     K_TOKEN_SCALE, P_LOG2, RETURN_LSE, PINGPONG, SPLIT, PV_TILES)
+                     K_TOKEN_SCALE, P_LOG2, RETURN_LSE, SPLIT, PV_TILES)
 
 
 @gluon.jit
@@ -96,11 +96,9 @@ def attention_kernel(
     HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale,
     HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-    P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+    P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr,
 ):
-    # ping-pong's turn barriers count tiles per item; a persistent CTA would need them counted across items
-    gl.static_assert(not (PINGPONG and PERSISTENT), "PINGPONG and PERSISTENT do not combine")
     q_all = gl.allocate_shared_memory(gl.int8, [2, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.int8))
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
@@ -113,24 +111,21 @@ def attention_kernel(
     m_all = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # its row maxima
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
 
     gl.warp_specialize([
         (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem,
-                    kc_smem, o_all, m_all, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                    kc_smem, o_all, m_all, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
                     stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
                     0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                    RETURN_LSE, PINGPONG, PERSISTENT, SPLIT, PV_TILES)),
+                    RETURN_LSE, PERSISTENT, SPLIT, PV_TILES)),
         (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem,
-                    kc_smem, o_all, m_all, kv_ready, kv_empty, turn, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
+                    kc_smem, o_all, m_all, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
                     stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
                     1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                    RETURN_LSE, PINGPONG, PERSISTENT, SPLIT, PV_TILES)),
+                    RETURN_LSE, PERSISTENT, SPLIT, PV_TILES)),
         (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, KV_END,
                    HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, KC_ROW0, BLOCK_M, BLOCK_N, D_PAD, STAGES, CAUSAL, HAS_KV_RANGE,
                    PERSISTENT, SPLIT)),

@@ -4,9 +4,12 @@ The 448 of P's FP8 scale is in both acc and l, so it cancels. A row that saw no 
 and gets zeros (lse −inf); a row that met NaN/Inf keeps it (l is NaN, which is not 0).
 """
 
+from .. import formats
 from .gluon_api import gl, gluon
 
-_LOG2E = gl.constexpr(1.4426950408889634)
+_LOG2E = gl.constexpr(formats.LOG2E)
+_FP8_MAX = gl.constexpr(formats.FP8_E4M3_MAX)
+_SCALE_FLOOR = gl.constexpr(formats.SCALE_FLOOR)
 
 
 @gluon.jit
@@ -26,7 +29,7 @@ def store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk
     # V_SCALE holds V's range per channel (max V, max −V): max |V − v̄| as the K/V pass computed it
     v_absmax = gl.maximum(gl.load(V_SCALE + bhk * 2 * D_PAD + cols) - v_bar,
                           v_bar + gl.load(V_SCALE + (bhk * 2 + 1) * D_PAD + cols))
-    v_scale = gl.maximum(v_absmax, 1e-30) / 448.0
+    v_scale = gl.maximum(v_absmax, _SCALE_FLOOR) / _FP8_MAX
     out = gl.where(seen[:, None], acc * inv_l[:, None] * v_scale[None, :] + v_bar[None, :], 0.0)
     base = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     gl.store(base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_od,

@@ -23,9 +23,10 @@ of its last flush (m_flush) and rescaled only when flushed. Shared memory, not r
 64-register accumulator carried through the loop spilled the causal main loop.
 """
 
+from .. import formats
 from .gluon_api import fence_async_shared, gl, gluon, mbarrier, partition_barrier, warpgroup_mma, warpgroup_mma_wait
 
-_ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5·2^23: x + M − M rounds a float32 to an integer, ties to even
+_ROUND_MAGIC = gl.constexpr(formats.ROUND_MAGIC)
 
 
 @gluon.jit
@@ -128,31 +129,14 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _take_turn(turn, k, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until the other warpgroup has issued its MMAs of step k − 1 (and it, ours)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WARPGROUP), k & 1)
-
-
-@gluon.jit
-def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
-
-
-@gluon.jit
-def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, turn, KS_bh, base, end,
+def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, KS_bh, base, end,
            first_row, row0, NQ, NK, WARPGROUP: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr,
            STAGES: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr,
-           PINGPONG: gl.constexpr, SPLIT: gl.constexpr, PV_TILES: gl.constexpr, qk_layout: gl.constexpr,
+           SPLIT: gl.constexpr, PV_TILES: gl.constexpr, qk_layout: gl.constexpr,
            o_layout: gl.constexpr):
     """The main loop over key tiles [0, end): returns (O unnormalized, l, m). ``base`` counts the ring's
     tiles before this work item (the ring runs on across a persistent CTA's items): tile i sits in
     stage (base + i) % STAGES.
-
-    With PINGPONG the two warpgroups take turns issuing their MMAs (FA3's warp scheduler barrier):
-    the tensor cores run one warpgroup's Q·Kᵀ and P·V while the other one's softmax runs, instead
-    of both issuing at once and then both waiting on the exp unit.
     """
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
@@ -162,16 +146,11 @@ def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_
     acc = gl.zeros([BM, D_PAD], gl.float32, layout=o_layout)  # the wgmma accumulator: ≤ PV_TILES tiles
     qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
     if end > 0:
-        if PINGPONG:
-            if WARPGROUP == 1:
-                mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 goes first
         k_scale = _k_scale(KS_bh, 0, BLOCK_N, K_TOKEN_SCALE, col)
         s0 = base % STAGES
         mbarrier.wait(kv_ready.index(s0), (base // STAGES) & 1)
         ds = ds_smem.index(s0).load(col)  # ΔS of the tile's keys, brought by the loader
-        _take_turn(turn, 0, WARPGROUP, PINGPONG)
         qk = warpgroup_mma(q_smem, k_smem.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        _pass_turn(turn, WARPGROUP, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         p, alpha, m_i, l_i = _softmax(qk, q_coef, q_split, ds, kc_smem.index(s0), k_scale, m_i, l_i, 0,
                                       first_row, row0, NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, SPLIT,
@@ -190,10 +169,8 @@ def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_
             p8 = _p_operand(p, BM, BLOCK_N, p_layout)
             k_scale = _k_scale(KS_bh, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
             mbarrier.wait(kv_ready.index(s1), ((base + i + 1) // STAGES) & 1)
-            _take_turn(turn, i + 1, WARPGROUP, PINGPONG)
             qk = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
-            _pass_turn(turn, WARPGROUP, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
             ds = ds_smem.index(s1).load(col)
             p, alpha, m_i, l_i = _softmax(qk, q_coef, q_split, ds, kc_smem.index(s1), k_scale, m_i, l_i,
@@ -204,9 +181,7 @@ def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         s = (base + end - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-        _take_turn(turn, end, WARPGROUP, PINGPONG)
         acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
-        _pass_turn(turn, WARPGROUP, PINGPONG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(s), count=1)
         if end > PV_TILES + 1:  # a flush happened (at tile PV_TILES < end − 1)

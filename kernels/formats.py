@@ -1,0 +1,29 @@
+"""The number formats of the method, in one place for the kernels and the Python around them.
+
+Plain Python (no torch, no triton), so that every layer can import it: the Triton and Gluon kernels
+wrap these values as constexprs, the launchers pass them, and ``hf_qattn.quant`` (the PyTorch
+reference of the same math) re-exports them.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Largest magnitude of each low-precision format (symmetric integer ranges: INT4 is held in ±7).
+INT_MAX = {"int8": 127.0, "int4": 7.0}
+FP8_E4M3_MAX = 448.0
+FLOAT_MAX = {"fp8_e4m3": FP8_E4M3_MAX, "fp8_e5m2": 57344.0}
+# The static scale P̃ = exp(S − m) ∈ [0, 1] is multiplied by before P·V, per P·V format.
+P_SCALE = {"fp8_e4m3": FP8_E4M3_MAX, "fp8_e5m2": 57344.0, "int8": 127.0, "fp16": 1.0, "none": 1.0}
+P_LOG2_FP8 = math.log2(FP8_E4M3_MAX)  # the kernels fold the FP8 scale into exp2
+
+# A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
+SCALE_FLOOR = 1e-30
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: scores are scaled by sm_scale·log2 e
+ROUND_MAGIC = 12582912.0  # 1.5·2^23: (x + M) − M rounds a float32 |x| < 2^22 to an integer, ties to even
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Power of two ≥ head_dim and ≥ 32 (the K depth of one INT8 tensor-core instruction)."""
+    return max(32, 1 << (head_dim - 1).bit_length())
