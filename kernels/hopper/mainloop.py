@@ -15,6 +15,10 @@ cores, the softmax of tile j+1 runs on the FP32/MUFU units:
     wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)
     every PV_TILES tiles:  O_smem = O_smem·2^(m_flush − m) + O;  O = 0      (two-level accumulation)
 
+P is produced at the FP8 scale directly (448 = E4M3's largest value, folded into exp2). Keys are
+relabelled inside each 32-key group (and V̂ᵀ's columns permuted to match by the K/V pass), so P
+goes from the S accumulator registers to the P·V A operand without shuffles.
+
 Two-level accumulation: Hopper's FP8 wgmma adds its products into the accumulator with fewer bits
 than FP32, so the error of one accumulator grows with the tiles summed in it (measured on the H100:
 RelL1 0.0032 at 4k keys, 0.0241 at 131k). The wgmma accumulator ``acc`` therefore holds at most
@@ -114,9 +118,8 @@ def _p_operand(p, BM: gl.constexpr, BLOCK_N: gl.constexpr, p_layout: gl.constexp
 @gluon.jit
 def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
     """O_smem·2^(m_flush − m) + acc: the sum so far at the current row maximum m_i (acc is at m_i already;
-    O_smem at m_flush, the row maximum of the last flush, kept in ``m_smem``: a register carried through
-    the loop tipped the heaviest configuration into local memory). ``first``: nothing of this item is
-    in shared memory yet (it is not read).
+    O_smem at m_flush, the row maximum of the last flush, kept beside it in ``m_smem``). ``first``:
+    nothing of this item is in shared memory yet (it is not read).
 
     A row that had seen no key at the last flush (causal with Nq > Nk, left padding) has m_flush = −inf
     and a zero sum: its factor is 0. Otherwise m_i ≥ m_flush, so the factor is at most 1."""
