@@ -297,19 +297,15 @@ def markdown(rows):
 
 def run_checks(sections, save):
     """The check and accuracy sections."""
-    log("== check: kernels vs reference (same tiles)")
-    check_rows = check(torch.float16) + check(torch.bfloat16)
-    for row in check_rows:
-        log("   ", row)
-    sections.append("## Kernels vs reference (same tiles, ragged shapes)\n\n" + markdown(check_rows))
-    save()
-
-    log("== accuracy vs FP32 on outlier inputs (eval/synthetic.py), B1 H8 N4096")
-    acc_rows = accuracy_rows(torch.float16) + accuracy_rows(torch.bfloat16)
-    for row in acc_rows:
-        log("   ", row)
-    sections.append("## Accuracy vs FP32 attention, synthetic outlier inputs, B1 H8 N4096\n\n" + markdown(acc_rows))
-    save()
+    for title, section in (("Kernels vs reference (same tiles, ragged shapes)", check),
+                           ("Accuracy vs FP32 attention, synthetic outlier inputs (eval/synthetic.py), B1 H8 N4096",
+                            accuracy_rows)):
+        log(f"== {title}")
+        rows = section(torch.float16) + section(torch.bfloat16)
+        for row in rows:
+            log("   ", row)
+        sections.append(f"## {title}\n\n" + markdown(rows))
+        save()
 
 
 def main():

@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import tuning
 from .fast_launch import fast
 from .attention import attention_kernel
-from .formats import INT_MAX, LOG2E, P_SCALE
+from .formats import INT_MAX, LOG2E, P_LOG2_FP8, P_SCALE
 from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel
 
 
@@ -260,7 +260,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, b * hq, sm_scale * LOG2E, sm_scale,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
-        P_LOG2=math.log2(P_SCALE["fp8_e4m3"]), RETURN_LSE=return_lse, PERSISTENT=persistent,
+        P_LOG2=P_LOG2_FP8, RETURN_LSE=return_lse, PERSISTENT=persistent,
         SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"], num_warps=4,
     )
     return lse

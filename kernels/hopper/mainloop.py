@@ -81,6 +81,12 @@ def _k_scale(KS_bh, tile, BLOCK_N: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, co
 
 
 @gluon.jit
+def _scaling_max(m):
+    """The row maximum P and O are scaled to: m, or 0 for a row that has seen no key yet (m = −inf)."""
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
 def _softmax(qk, q_coef, q_split, ds, kc_tile, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
              BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
              P_LOG2: gl.constexpr, SPLIT: gl.constexpr, qk_layout: gl.constexpr):
@@ -100,7 +106,7 @@ def _softmax(qk, q_coef, q_split, ds, kc_tile, k_scale, m_i, l_i, tile, first_ro
             offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))
             s = gl.where(offs_n[None, :] <= offs_m[:, None] + (NK - NQ), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    m_use = _scaling_max(m_new)
     p = gl.exp2(s - (m_use - P_LOG2)[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -126,8 +132,7 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
     if first:
         return acc
     row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)  # the maximum the softmax scaled acc to
-    factor = gl.exp2(m_smem.load(row) - gl.convert_layout(m_use, row))
+    factor = gl.exp2(m_smem.load(row) - gl.convert_layout(_scaling_max(m_i), row))  # acc is at _scaling_max(m_i)
     return o_smem.load(o_layout) * factor[:, None] + acc
 
 
