@@ -160,11 +160,11 @@ def host_us(fn, calls: int) -> float:
 
 
 def fill_cache(k, v, d, int4, device):
-    from hf_qattn import cache_math
+    from hf_qattn.kv_cache import reference as kv_reference
     from hf_qattn.kernels import decode_launch
 
     b, hk, n, _ = k.shape
-    k_bar, v_bar = cache_math.centers(k, v)
+    k_bar, v_bar = kv_reference.centers(k, v)
     kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device=device, dtype=torch.int8)
     ks = torch.empty(b, hk, n, device=device)
     vq = torch.empty(b, hk, n, d, device=device, dtype=torch.float8_e4m3fn)

@@ -6,7 +6,7 @@
 
 For each case (batch, query/KV heads, query tokens 1..16, cached tokens including lengths that are
 not a multiple of any tile, head dim, dtype, INT8/INT4 K, left padding, split count):
-  1. the append kernel's storage against ``hf_qattn.cache_math.quantize_tokens`` (INT values
+  1. the append kernel's storage against ``hf_qattn.kv_cache.reference.quantize_tokens`` (INT values
      equal, scales to 1e-6, FP8 values equal but for rare ties);
   2. the decode kernel against float64 attention over the same storage (tolerance: the kernel's
      bf16 P·δV rounding and the output dtype: (3e-3 + 2 eps) · max |ref|);
@@ -73,7 +73,8 @@ def random_cases(n: int, rng: random.Random):
 
 
 def run_case(case, device):
-    from hf_qattn import cache_math, reference
+    from hf_qattn import reference
+    from hf_qattn.kv_cache import reference as kv_reference
     from hf_qattn.kernels import decode_launch
 
     b, hq, hk, nq, nk, d, dtype, precision, padded, splits = case
@@ -81,7 +82,7 @@ def run_case(case, device):
     k = (torch.randn(b, hk, nk, d, device=device) + 6.0 * torch.randn(1, hk, 1, d, device=device)).to(dtype)
     v = (torch.randn(b, hk, nk, d, device=device) + 1.5 * torch.randn(1, hk, 1, d, device=device)).to(dtype)
     q = (torch.randn(b, hq, nq, d, device=device) + 2.0 * torch.randn(1, hq, 1, d, device=device)).to(dtype)
-    k_bar, v_bar = cache_math.centers(k, v)
+    k_bar, v_bar = kv_reference.centers(k, v)
     cap = nk + 13
     kq = torch.full((b, hk, cap, decode_launch.packed_width(d, int4)), 99, device=device, dtype=torch.int8)
     ks = torch.full((b, hk, cap), 1e6, device=device)
@@ -91,7 +92,7 @@ def run_case(case, device):
     cut = max(1, nk - nq)
     decode_launch.append(k[:, :, :cut], v[:, :, :cut], k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
     decode_launch.append(k[:, :, cut:], v[:, :, cut:], k_bar, v_bar, kq, ks, vq, vs, cut, int4=int4)
-    rkq, rks, rvq, rvs = cache_math.quantize_tokens(k, v, k_bar, v_bar, precision)
+    rkq, rks, rvq, rvs = kv_reference.quantize_tokens(k, v, k_bar, v_bar, precision)
     result = {"append_ok": bool(torch.equal(kq[:, :, :nk], rkq))
               and bool(torch.allclose(ks[:, :, :nk], rks, rtol=1e-6, atol=0))
               and bool(torch.allclose(vs[:, :, :nk], rvs, rtol=1e-6, atol=0))
@@ -109,7 +110,7 @@ def run_case(case, device):
     by_device = decode_launch.decode(q, kq, ks, vq, vs, v_bar, cap, length=torch.tensor([nk], device=device,
                                      dtype=torch.int32), **{**common, "num_splits": None})
     torch.cuda.synchronize() if device == "cuda" else None
-    ref = cache_math.decode_attention(q, kq, ks, vq, vs, v_bar, nk, precision=precision, causal=True,
+    ref = kv_reference.decode_attention(q, kq, ks, vq, vs, v_bar, nk, precision=precision, causal=True,
                                       kv_start=kv_start, kv_end=kv_end, dtype=torch.float64).double()
     scale = ref.abs().max().clamp_min(1e-6)
     eps = torch.finfo(dtype).eps

@@ -25,13 +25,13 @@ PREFILL = {"1k": ("d128 N1k", 1024, 128, False), "8k": ("d128 N8k", 8192, 128, F
 def main(case: str) -> None:
     torch.manual_seed(0)
     if case.startswith("decode"):
-        from hf_qattn import cache_math
+        from hf_qattn.kv_cache import reference as kv_reference
         from hf_qattn.kernels import decode_launch
 
         int4 = case.endswith("int4")
         b, hq, hk, n, d = 8, 32, 8, 65536, 128
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        k_bar, v_bar = cache_math.centers(k, v)
+        k_bar, v_bar = kv_reference.centers(k, v)
         kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device="cuda", dtype=torch.int8)
         ks, vs = (torch.empty(b, hk, n, device="cuda") for _ in range(2))
         vq = torch.empty(b, hk, n, d, device="cuda", dtype=torch.float8_e4m3fn)

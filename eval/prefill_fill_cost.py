@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import hf_qattn
-from hf_qattn import cache_math
+from hf_qattn.kv_cache import reference as kv_reference
 from hf_qattn.kernels import decode_launch
 from profile_call import graph_ms
 
@@ -25,7 +25,7 @@ def main() -> None:
     for n in (1024, 4096, 16384):
         q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        k_bar, v_bar = cache_math.centers(k, v)
+        k_bar, v_bar = kv_reference.centers(k, v)
         attention = graph_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=True)) * 1e3
         appends = []
         for int4 in (False, True):

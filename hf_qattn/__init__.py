@@ -5,7 +5,7 @@ Public API:
     QAttnPlan, PlanError         per-layer precision plans (see hf_qattn.plan)
     calibrate(model, inputs)     score every layer, write a 4/8-bit plan into model.config
     fallback_stats()             where calls went, and why any fell back to full precision
-    QAttnCache(model)            a quantized KV cache for generate (see hf_qattn.cache)
+    QAttnCache(model)            a quantized KV cache for generate (see hf_qattn.kv_cache)
     CapturedDecodeStep           a decode step over a static QAttnCache replayed from a CUDA graph
     reset_fallback_stats()
 
@@ -67,11 +67,11 @@ def __getattr__(name):
 
         return getattr(import_module(".integrations.diffusers", __name__), name)
     if name == "QAttnCache":  # a transformers Cache: imports transformers, so only on first use
-        from .cache import QAttnCache
+        from .kv_cache.cache import QAttnCache
 
         return QAttnCache
     if name == "CapturedDecodeStep":
-        from .captured_decode import CapturedDecodeStep
+        from .kv_cache.captured import CapturedDecodeStep
 
         return CapturedDecodeStep
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

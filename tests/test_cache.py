@@ -8,8 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf_qattn  # noqa: E402
-from hf_qattn import cache as qcache  # noqa: E402
-from hf_qattn import cache_math  # noqa: E402
+from hf_qattn.kv_cache import cache as qcache  # noqa: E402
+from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 from hf_qattn.plan import PRECISIONS, QAttnPlan  # noqa: E402
 
 UNQUANTIZED = PRECISIONS[-1]  # the plan's name for "leave this layer in full precision"
@@ -85,9 +85,9 @@ def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
             assert qcache.is_packed(keys) and qcache.is_packed(values)
             assert keys.shape == (2, 2, b, 32) and keys.dtype == k.dtype
     assert layer.get_seq_length() == 300 and layer.get_mask_sizes(1) == (301, 0)
-    k_bar, v_bar = cache_math.centers(k[:, :, :200], v[:, :, :200])
+    k_bar, v_bar = kv_reference.centers(k[:, :, :200], v[:, :, :200])
     torch.testing.assert_close(layer.k_bar, k_bar)
-    kq, ks, vq, vs = cache_math.quantize_tokens(k, v, k_bar, v_bar, precision)
+    kq, ks, vq, vs = kv_reference.quantize_tokens(k, v, k_bar, v_bar, precision)
     assert torch.equal(layer.kq[:, :, :300], kq)
     torch.testing.assert_close(layer.ks[:, :, :300], ks, rtol=1e-6, atol=0)
     assert (layer.vq[:, :, :300].float() != vq.float()).float().mean() < 1e-3
@@ -353,7 +353,7 @@ def test_captured_decode_step_runs_the_step_it_captures(seed):
 def test_captured_step_refuses_a_mask_it_cannot_replay(seed):
     """Inside CapturedDecodeStep a mask reading with key ranges (a padded batch) is refused, not replayed
     as the plain causal mask; outside it the reading passes through unchanged."""
-    from hf_qattn import cache_hook
+    from hf_qattn.kv_cache import attention as kv_attention
     from hf_qattn.masks import MaskPattern
 
     layer = qcache.QAttnLayer("int8")
@@ -362,14 +362,14 @@ def test_captured_step_refuses_a_mask_it_cannot_replay(seed):
     key, _ = layer.update(k[:, :, :1], v[:, :, :1])
     query = torch.randn(2, 4, 1, 16)
     padded = MaskPattern(False, 11, kv_start=torch.tensor([0, 3]))
-    assert cache_hook.step_pattern(query, key, lambda: (padded, None)) == (padded, None)
-    token = cache_hook._captured_step.set(True)
+    assert kv_attention.step_pattern(query, key, lambda: (padded, None)) == (padded, None)
+    token = kv_attention._captured_step.set(True)
     try:
         with pytest.raises(qcache.QAttnCacheError, match="padded batches"):
-            cache_hook.step_pattern(query, key, lambda: (padded, None))
+            kv_attention.step_pattern(query, key, lambda: (padded, None))
         with pytest.raises(qcache.QAttnCacheError, match="padded batches"):
-            cache_hook.step_pattern(query, key, lambda: (None, "attention mask of unexpected shape or type"))
+            kv_attention.step_pattern(query, key, lambda: (None, "attention mask of unexpected shape or type"))
         plain = MaskPattern(False, 11)
-        assert cache_hook.step_pattern(query, key, lambda: (plain, None)) == (plain, None)
+        assert kv_attention.step_pattern(query, key, lambda: (plain, None)) == (plain, None)
     finally:
-        cache_hook._captured_step.reset(token)
+        kv_attention._captured_step.reset(token)

@@ -1,7 +1,7 @@
 """The quantized-cache kernels (kernels/decode.py) against float64 references.
 
 Two yardsticks per case:
-- attention in float64 over the very same quantized storage (``cache_math.decode_attention``):
+- attention in float64 over the very same quantized storage (``hf_qattn.kv_cache.reference.decode_attention``):
   the kernel may differ only by its bf16 rounding of P·δV and the output dtype's rounding;
 - exact float64 attention over the unquantized K/V: the quantization error of the cache format.
 Mutated copies of the kernel (diagonal moved, v̄ dropped, splits merged without their weights)
@@ -19,7 +19,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_qattn import cache_math, reference  # noqa: E402
+from hf_qattn import reference  # noqa: E402
+from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 from hf_qattn.kernels import decode, decode_launch, tuning  # noqa: E402
 from hf_qattn.metrics import accuracy  # noqa: E402
 
@@ -41,7 +42,7 @@ def fill(k, v, precision, capacity=None):
     b, hk, n, d = k.shape
     cap = capacity or n + 5
     width = decode_launch.packed_width(d, precision == "int4")
-    k_bar, v_bar = cache_math.centers(k, v)
+    k_bar, v_bar = kv_reference.centers(k, v)
     kq = torch.full((b, hk, cap, width), 99, dtype=torch.int8, device=DEVICE)  # garbage past the tokens
     ks = torch.full((b, hk, cap), 1e6, device=DEVICE)
     vq = torch.full((b, hk, cap, d), 448.0, device=DEVICE).to(torch.float8_e4m3fn)
@@ -96,7 +97,7 @@ def test_decode_matches_float64(seed, case):
     out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=precision == "int4",
                                causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits)
     assert out.shape == (b, nq, hq, d) and out.dtype == dtype
-    ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk,
+    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk,
                                       precision=precision, causal=True, kv_start=kv_start, kv_end=kv_end)
     assert mismatch(out, ref) is None, mismatch(out, ref)
     # against exact attention on the unquantized K/V: the error of the cache format itself
@@ -116,7 +117,7 @@ def test_rows_without_keys_are_zero(seed):
                                kv_start=kv_start, num_splits=2)
     assert torch.isfinite(out).all()
     assert (out[:, :3] == 0).all() and (out[:, 3:].abs().sum(-1) > 0).all()
-    ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 20,
+    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 20,
                                       precision="int8", kv_start=kv_start)
     assert mismatch(out, ref) is None, mismatch(out, ref)
 
@@ -134,7 +135,7 @@ def test_fused_and_two_kernel_combine_agree(seed, precision):
         fused = decode_launch.decode(*args, int4=precision == "int4", num_splits=4, fused_combine=True)
         torch.testing.assert_close(fused.float(), two.float(), rtol=1e-2, atol=1e-2)
         assert not any(ws[3].any() for ws in decode_launch._WORKSPACE.values())
-    ref = cache_math.decode_attention(*args, precision=precision)
+    ref = kv_reference.decode_attention(*args, precision=precision)
     assert mismatch(fused, ref) is None, mismatch(fused, ref)
 
 
@@ -182,7 +183,7 @@ def test_token_count_read_from_device_memory(seed, precision):
     causal diagonal of several queries placed by the device count."""
     b, hk, hq, d, cap = 2, 2, 8, 64, 90
     k, v = outlier_kv(b, hk, 50, d)
-    k_bar, v_bar = cache_math.centers(k[:, :, :30], v[:, :, :30])
+    k_bar, v_bar = kv_reference.centers(k[:, :, :30], v[:, :, :30])
     width = decode_launch.packed_width(d, precision == "int4")
     stores = []
     for device_pos in (False, True):
@@ -204,7 +205,7 @@ def test_token_count_read_from_device_memory(seed, precision):
         q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=torch.bfloat16)
         out = decode_launch.decode(q, kq, ks, vq, vs, v_bar, cap, int4=precision == "int4", causal=True,
                                    length=length)
-        ref = cache_math.decode_attention(q, kq, ks, vq, vs, v_bar, 50, precision=precision, causal=True)
+        ref = kv_reference.decode_attention(q, kq, ks, vq, vs, v_bar, 50, precision=precision, causal=True)
         assert mismatch(out, ref) is None, (nq, mismatch(out, ref))
 
 
@@ -215,7 +216,7 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
     st = fill(k[:, :, :30], v[:, :, :30], precision, capacity=50)
     decode_launch.append(k[:, :, 30:], v[:, :, 30:], st["k_bar"], st["v_bar"], st["kq"], st["ks"], st["vq"],
                          st["vs"], 30, int4=precision == "int4")
-    kq, ks, vq, vs = cache_math.quantize_tokens(k, v, st["k_bar"], st["v_bar"], precision)
+    kq, ks, vq, vs = kv_reference.quantize_tokens(k, v, st["k_bar"], st["v_bar"], precision)
     assert torch.equal(st["kq"][:, :, :41], kq)
     torch.testing.assert_close(st["ks"][:, :, :41], ks, rtol=1e-6, atol=0)
     torch.testing.assert_close(st["vs"][:, :, :41], vs, rtol=1e-6, atol=0)
@@ -223,7 +224,7 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
     assert (st["vq"][:, :, :41].float() != vq.float()).float().mean() < 1e-3
     assert (st["kq"][:, :, 41:] == 99).all()  # slots past the tokens untouched
     # the storage decodes back to the inputs within the format's resolution
-    back = cache_math.dequantize_k(st["kq"][:, :, :41], st["ks"][:, :, :41], 48, precision) + st["k_bar"][:, :, None]
+    back = kv_reference.dequantize_k(st["kq"][:, :, :41], st["ks"][:, :, :41], 48, precision) + st["k_bar"][:, :, None]
     step = st["ks"][:, :, :41, None]
     assert ((back - k).abs() <= 0.5 * step * 1.0001 + 1e-6).all()
 
@@ -264,7 +265,7 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
         out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
                                    int4=precision == "int4", num_splits=splits,
                                    fused_combine="combine kernel" not in name)
-        ref = cache_math.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
+        ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
                                           precision=precision)
         return mismatch(out, ref)
 

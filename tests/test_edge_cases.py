@@ -111,10 +111,10 @@ def test_kernel_epilogue_mutant_masks_nan_into_zeros(seed, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_kernel_propagates_non_finite_query(seed, splits, tmp_path, monkeypatch):
-    from hf_qattn import cache_math
+    from hf_qattn.kv_cache import reference as kv_reference
 
     k, v = torch.randn(1, 2, 40, 32, device=DEVICE), torch.randn(1, 2, 40, 32, device=DEVICE)
-    k_bar, v_bar = cache_math.centers(k, v)
+    k_bar, v_bar = kv_reference.centers(k, v)
     kq = torch.empty(1, 2, 40, 32, dtype=torch.int8, device=DEVICE)
     ks, vs = torch.empty(1, 2, 40, device=DEVICE), torch.empty(1, 2, 40, device=DEVICE)
     vq = torch.empty(1, 2, 40, 32, device=DEVICE).to(torch.float8_e4m3fn)

@@ -30,7 +30,8 @@ import threading
 
 import torch
 
-from ... import api, cache_hook, masks, ops, stats, support
+from ... import api, masks, ops, stats, support
+from ...kv_cache import attention as kv_attention
 from ...masks import MaskPattern, visible_keys
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
 from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
@@ -261,12 +262,12 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
     if torch.compiler.is_compiling():
         return _compiled_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, is_causal=is_causal, **kwargs)
-    if cache_hook.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
-        pattern, reason = cache_hook.step_pattern(query, key, lambda: kernel_pattern(
+    if kv_attention.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
+        pattern, reason = kv_attention.step_pattern(query, key, lambda: kernel_pattern(
             module, query, key, value, attention_mask, dropout, is_causal, kwargs))
         if reason is None:
-            return cache_hook.packed_attention(query, key, pattern, scaling), None
-        key, value = cache_hook.dequantize(key), cache_hook.dequantize(value)  # the paths below serve the rest
+            return kv_attention.packed_attention(query, key, pattern, scaling), None
+        key, value = kv_attention.dequantize(key), kv_attention.dequantize(value)  # the paths below serve the rest
     observer = _calibrator.get()
     if observer is not None:
         out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -319,7 +320,7 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
     range comes out NaN rather than wrong (a fallback would need the host to read the check).
     QAttnCache layers and calibration leave the graph (one break per layer), as before.
     """
-    if cache_hook.is_packed(key) or _active_calibrations:
+    if kv_attention.is_packed(key) or _active_calibrations:
         return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, is_causal=is_causal, **kwargs)
     precision = _traced_precision(module)

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from . import cache_math
-from .cache_hook import PackedKV, QAttnCacheError, _kernels_available, is_packed  # noqa: F401
-from .plan import PLAN_CONFIG_KEY, PLAN_VERSION, QAttnPlan
+from ..plan import PLAN_CONFIG_KEY, PLAN_VERSION, QAttnPlan
+from . import reference
+from .attention import PackedKV, QAttnCacheError, _kernels_available, is_packed  # noqa: F401
 
 try:
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
@@ -84,7 +84,7 @@ class QAttnLayer(CacheLayerMixin):
 
     def _allocate(self, capacity: int) -> None:
         b, h, d, dev = self.batch_size, self.num_heads, self.head_dim, self.device
-        width = cache_math.padded_head_dim(d) // 2 if self.precision == "int4" else d
+        width = reference.padded_head_dim(d) // 2 if self.precision == "int4" else d
         old = (self.kq, self.ks, self.vq, self.vs)
         self.kq = torch.zeros(b, h, capacity, width, device=dev, dtype=torch.int8)
         self.ks = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
@@ -106,18 +106,18 @@ class QAttnLayer(CacheLayerMixin):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[-2]
         if self.k_bar is None:  # the first fill fixes the centers
-            self.k_bar, self.v_bar = cache_math.centers(key_states, value_states, self.center_sample)
+            self.k_bar, self.v_bar = reference.centers(key_states, value_states, self.center_sample)
         self._reserve(self.length + n)
         pos = self.length
         if _kernels_available(self.device):
-            from .kernels import decode_launch
+            from ..kernels import decode_launch
 
             # static storage: the kernel reads the first slot from device memory (the same in every replay)
             decode_launch.append(key_states, value_states, self.k_bar, self.v_bar, self.kq, self.ks, self.vq,
                                  self.vs, pos if self.device_length is None else self.device_length,
                                  int4=self.precision == "int4")
         else:
-            kq, ks, vq, vs = cache_math.quantize_tokens(key_states, value_states, self.k_bar, self.v_bar,
+            kq, ks, vq, vs = reference.quantize_tokens(key_states, value_states, self.k_bar, self.v_bar,
                                                         self.precision)
             self.kq[:, :, pos: pos + n] = kq
             self.ks[:, :, pos: pos + n] = ks
@@ -201,8 +201,8 @@ class QAttnLayer(CacheLayerMixin):
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
         n = self.length
-        k = cache_math.dequantize_k(self.kq[:, :, :n], self.ks[:, :, :n], self.head_dim, self.precision)
-        v = cache_math.dequantize_v(self.vq[:, :, :n], self.vs[:, :, :n])
+        k = reference.dequantize_k(self.kq[:, :, :n], self.ks[:, :, :n], self.head_dim, self.precision)
+        v = reference.dequantize_v(self.vq[:, :, :n], self.vs[:, :, :n])
         return (k + self.k_bar[:, :, None]).to(self.dtype), (v + self.v_bar[:, :, None]).to(self.dtype)
 
 

@@ -1,4 +1,4 @@
-"""The part of :mod:`hf_qattn.cache` that the attention function needs, importable without transformers.
+"""The part of :mod:`hf_qattn.kv_cache.cache` that the attention function needs, importable without transformers.
 
 ``is_packed(key)`` tells the qattn attention function that ``key`` is a QAttnCache layer's
 :class:`PackedKV` handle; ``packed_attention`` then runs the decode kernel on the layer's quantized
@@ -13,7 +13,8 @@ import contextvars
 
 import torch
 
-from . import cache_math, stats
+from .. import stats
+from . import reference
 
 
 class QAttnCacheError(RuntimeError):
@@ -21,7 +22,7 @@ class QAttnCacheError(RuntimeError):
 
 
 def _use_kernels(device: torch.device) -> bool:
-    from .kernels import tuning  # needs triton
+    from ..kernels import tuning  # needs triton
 
     return device.type == "cuda" or tuning.interpreting()
 
@@ -40,7 +41,7 @@ class PackedKV(torch.Tensor):
     can read the quantized storage.
     """
 
-    layer: object  # hf_qattn.cache.QAttnLayer
+    layer: object  # hf_qattn.kv_cache.cache.QAttnLayer
 
     @staticmethod
     def __new__(cls, layer, which: str):
@@ -79,7 +80,7 @@ def step_pattern(query: torch.Tensor, key: "PackedKV", read_mask):
     if not _captured_step.get():
         return read_mask()
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        from .masks import MaskPattern
+        from ..masks import MaskPattern
 
         return MaskPattern(query.shape[2] > 1, key.shape[2]), None
     pattern, reason = read_mask()
@@ -104,7 +105,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {layer.num_heads} cached heads")
     nk = min(int(pattern.kv_len), layer.length)
     if _kernels_available(query.device):
-        from .kernels import decode_launch
+        from ..kernels import decode_launch
 
         stats.record_call("triton")
         other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
@@ -116,7 +117,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
                                         sm_scale=scaling, causal=pattern.causal, kv_start=pattern.kv_start,
                                         kv_end=pattern.kv_end, length=layer.device_length if by_device else None)
     stats.record_call("reference")
-    return cache_math.decode_attention(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
+    return reference.decode_attention(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
                                        precision=layer.precision, sm_scale=scaling, causal=pattern.causal,
                                        kv_start=pattern.kv_start, kv_end=pattern.kv_end, dtype=torch.float32)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_hook import QAttnCacheError, _captured_step
+from .attention import QAttnCacheError, _captured_step
 
 
 class CapturedDecodeStep:

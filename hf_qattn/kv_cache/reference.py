@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from .masks import visible_keys
-from .kernels.formats import FP8_E4M3_MAX as FP8_MAX, INT_MAX, padded_head_dim  # noqa: F401 (re-exported)
-from .quant import SCALE_FLOOR, reciprocal
+from ..masks import visible_keys
+from ..kernels.formats import FP8_E4M3_MAX as FP8_MAX, INT_MAX, padded_head_dim  # noqa: F401 (re-exported)
+from ..quant import SCALE_FLOOR, reciprocal
 
 
 def pack_int4(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def unpack_int4(packed: torch.Tensor, d: int) -> torch.Tensor:
 
 def centers(k: torch.Tensor, v: torch.Tensor, sample: int | None = 256):
     """k̄, v̄ (B, H, D) float32: channel means over (an even sample of) the tokens of the first fill."""
-    from .quant import smoothing_center
+    from ..quant import smoothing_center
 
     return smoothing_center(k, sample).contiguous(), smoothing_center(v, sample).contiguous()
 
