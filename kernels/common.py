@@ -8,10 +8,7 @@ from . import formats
 # Adding and subtracting 1.5·2^23 leaves a float32 rounded to the nearest integer, ties to even,
 # for |x| < 2^22 — the same rounding as torch.round, and it also runs under TRITON_INTERPRET.
 _ROUND_MAGIC = tl.constexpr(formats.ROUND_MAGIC)
-# The same constant's bit pattern: an int32 |i| < 2^22 added to it and read as float32 is
-# 1.5·2^23 + i exactly, so one integer add and one float subtract convert int32 → float32
-# without the quarter-rate conversion unit (which the softmax's exp2 already saturates).
-_ROUND_MAGIC_BITS = tl.constexpr(0x4B400000)
+_ROUND_MAGIC_BITS = tl.constexpr(formats.ROUND_MAGIC_BITS)  # see formats
 
 # Scales never go below this, so an all-zero group quantizes to zeros instead of NaN.
 SCALE_FLOOR = tl.constexpr(formats.SCALE_FLOOR)

@@ -22,6 +22,10 @@ SCALE_FLOOR = 1e-30
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: scores are scaled by sm_scale·log2 e
 ROUND_MAGIC = 12582912.0  # 1.5·2^23: (x + M) − M rounds a float32 |x| < 2^22 to an integer, ties to even
+# M's bit pattern: an int32 |i| < 2^22 added to it and read as float32 is M + i exactly, so an integer add
+# and a float subtract convert int32 → float32 on the ALU/FMA pipes, not on the quarter-rate unit that
+# also runs the softmax's exp2 (an INT8 Q·Kᵀ over head_dim ≤ 256 stays below 127²·256 < 2^22)
+ROUND_MAGIC_BITS = 0x4B400000
 
 
 def padded_head_dim(head_dim: int) -> int:
