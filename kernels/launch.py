@@ -24,7 +24,7 @@ from . import tuning
 from .fast_launch import fast
 from .attention import attention_kernel
 from .formats import INT_MAX, LOG2E, P_LOG2_FP8, P_SCALE
-from .quantize import centers_kernel, delta_scores_kernel, quantize_kv_kernel
+from .quantize import centers_kernel, quantize_kv_kernel
 
 
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
@@ -88,11 +88,10 @@ class QuantizedKV:
 
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
-                permute_v: bool = False, num_warps: int | None = None, fuse_ds: bool = True,
+                permute_v: bool = False, num_warps: int | None = None,
                 split: bool = False, maxnreg: tuple[int, int] = (0, 0)) -> QuantizedKV:
     """Centers (and, for per-channel V scales, V's range: one read of V in the same launch), then one
-    pass over K and V.
-    ΔS is written by the K/V pass (``fuse_ds``) or by :func:`delta_scores` after it (same values).
+    pass over K and V (which also writes ΔS).
     ``split``: also K's split channel per kv head (kernels/quantize.py), out of K̂ and into ``kc``.
     ``maxnreg``: register caps a thread of the centers launch and of the K/V pass (0: none)."""
     b, hq, nq, d = q.shape
@@ -123,26 +122,10 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
         hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
         K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
-        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), FUSE_DS=fuse_ds, SPLIT=split,
+        HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), SPLIT=split,
         num_warps=num_warps, **tuning.register_cap(maxnreg[1]),
     )
-    if not fuse_ds:
-        delta_scores(k, k_bar, q_bar, ds, hq=hq, sm_scale=sm_scale, kv_start=kv_start, kv_end=kv_end,
-                     block_n=block_n, num_warps=num_warps)
     return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles)
-
-
-def delta_scores(k, k_bar, q_bar, ds, *, hq: int, sm_scale: float, kv_start, kv_end, block_n: int,
-                 num_warps: int = 4) -> torch.Tensor:
-    """ΔS = q̄·(K − k̄)ᵀ·sm_scale·log2 e into ``ds`` (B·Hq, NK_PAD), −inf outside the key ranges."""
-    b, hk, nk, d = k.shape
-    nk_pad = ds.shape[1]
-    fast(delta_scores_kernel)[(math.ceil(nk / block_n), b * hk)](
-        k, k_bar, q_bar, kv_start, kv_end, ds, *k.stride(), hk, hq // hk, nk, nk_pad, sm_scale * LOG2E,
-        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_N=block_n,
-        HAS_KV_RANGE=kv_start is not None or kv_end is not None, num_warps=num_warps,
-    )
-    return ds
 
 
 def _key_range(kv_start, kv_end, b: int, nk: int, device):

@@ -16,9 +16,8 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
                                         V's range per channel over all keys (written by ``centers_kernel``,
                                         read here), from which δV = max |V − v̄| / 448
     ds   fp32  (B·Hq [+ B·Hk], NK_PAD)  rows [0, B·Hq): ΔS·sm_scale·log2 e for each query head of the
-                                        group, −inf for keys outside [kv_start, kv_end) and padding keys
-                                        — with FUSE_DS; else ``delta_scores_kernel`` writes them, a step
-                                        of its own (ΔS depends on Q, K̂ and V̂ do not). With SPLIT, rows
+                                        group, −inf for keys outside [kv_start, kv_end) and padding keys,
+                                        from the K tile while it is in registers. With SPLIT, rows
                                         B·Hq + b·Hk: kc, the split channel of K − k̄ per key (below)
     split int32 (B·Hk,)                 with SPLIT: the kv head's split channel c*, or −1, from K's range
                                         over all keys (``centers_kernel`` finds it, as V's)
@@ -189,27 +188,6 @@ def _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GR
 
 
 @triton.jit
-def delta_scores_kernel(
-    K, K_BAR, Q_BAR, KV_START, KV_END, DS,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    HK, GROUPS, NK, NK_PAD, score_coef,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-):
-    """ΔS as a step of its own (one program per key tile and b·kv-head): for K/V passes that do not
-    know Q — a quantized KV cache quantizes each token once, while q̄ changes with every call."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    score_coef = tl.cast(score_coef, tl.float32)
-    b = (bh // HK).to(tl.int64)
-    hk = bh % HK
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, D_PAD)
-    k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
-    _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
-                       HEAD_DIM, HAS_KV_RANGE)
-
-
-@triton.jit
 def quantize_kv_kernel(
     K, V, K_BAR, V_BAR, Q_BAR, KV_START, KV_END,
     KQ, KS, VQ, VS, DS, K_RANGE, SPLIT_CHANNEL, KC,
@@ -218,8 +196,7 @@ def quantize_kv_kernel(
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, V_CHANNEL_SCALE: tl.constexpr,
-    PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, FUSE_DS: tl.constexpr,
-    SPLIT: tl.constexpr,
+    PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -231,9 +208,9 @@ def quantize_kv_kernel(
 
     # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
     k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
-    if FUSE_DS:  # ΔS from this tile while K is in registers (saves delta_scores_kernel's read of K)
-        _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
-                           HEAD_DIM, HAS_KV_RANGE)
+    # ΔS from this tile while K is in registers (a pass of its own would read K again)
+    _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
+                       HEAD_DIM, HAS_KV_RANGE)
     if SPLIT:  # the split channel leaves K̂ (before the scale: it must not set it) and is kept in float as kc
         channel = _split_channel(K_RANGE, K_BAR, bh, cols, HEAD_DIM, D_PAD)
         if tile == 0:

@@ -21,6 +21,16 @@ from hf_qattn.kernels import launch, tuning
 from hf_qattn.kernels.hopper import gluon_api
 
 needs_gluon = pytest.mark.skipif(gluon_api.missing() is not None, reason=f"{gluon_api.missing()}")
+# the K/V pass runs on the GPU where there is one, else under the Triton interpreter (conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+def _int32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 # every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes
 SHIPPED = [
@@ -81,8 +91,8 @@ def _key_of_column(nk_pad: int) -> torch.Tensor:
 
 def test_kv_pass_hopper_layout_matches_the_reference_quantization():
     b, hq, hk, n, d = 2, 4, 2, 300, 64
-    q, k = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d)
-    v = 3 * torch.randn(b, hk, n, d) + torch.randn(1, hk, 1, d)
+    q, k = _randn(b, hq, n, d), _randn(b, hk, n, d)
+    v = 3 * _randn(b, hk, n, d) + _randn(1, hk, 1, d)
     kv = _hopper_pass(q, k, v)
     # the centers match the reference's up to float summation order; exact comparisons below use the
     # pass's own centers, so a last-bit difference in v̄ or k̄ cannot flip a rounding tie
@@ -99,7 +109,7 @@ def test_kv_pass_hopper_layout_matches_the_reference_quantization():
     v_hat, _ = quant.quantize_v(v_smooth, "fp8_e4m3", "channel", 128)
     stored = kv.vq.view(b, hk, d, kv.nk_pad).float()
     by_token = torch.empty_like(stored)
-    by_token[..., _key_of_column(kv.nk_pad)] = stored
+    by_token[..., _key_of_column(kv.nk_pad).to(DEVICE)] = stored
     assert torch.equal(by_token[..., :n], v_hat.transpose(2, 3)), "V̂ᵀ columns must follow the Hopper key order"
     assert not by_token[..., n:].any(), "padding keys are zeros"
     # K: INT8 per 128-key tile, as the reference quantizes it
@@ -109,42 +119,38 @@ def test_kv_pass_hopper_layout_matches_the_reference_quantization():
 
 def test_kv_pass_writes_minus_inf_delta_s_outside_key_ranges_and_padding():
     b, hq, hk, n, d = 2, 4, 2, 300, 64
-    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
-    start, end = torch.tensor([0, 37], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
+    q, k, v = _randn(b, hq, n, d), _randn(b, hk, n, d), _randn(b, hk, n, d)
+    start, end = _int32([0, 37]), _int32([300, 250])
     ds = _hopper_pass(q, k, v, start, end).delta_s.view(b, hq, -1)
-    keys = torch.arange(ds.shape[-1])
+    keys = torch.arange(ds.shape[-1], device=DEVICE)
     for batch in range(b):
         outside = (keys < start[batch]) | (keys >= end[batch])
         assert torch.isinf(ds[batch][:, outside]).all() and (ds[batch][:, outside] < 0).all()
         assert torch.isfinite(ds[batch][:, ~outside]).all()
 
 
-def test_delta_s_as_its_own_step_equals_the_fused_one():
-    """ΔS written by delta_scores after a K/V pass that does not know Q is the fused pass's ΔS, bit for
-    bit (GQA, key ranges, padding), and K̂ / V̂ do not depend on which wrote it."""
+def test_kv_pass_delta_s_is_the_smoothing_term_of_each_query_head():
+    """ΔS, written by the K/V pass from the K tile it quantizes, is q̄·(K − k̄)ᵀ·sm_scale·log2 e for each
+    query head of the group (GQA, key ranges, padding)."""
     b, hq, hk, n, d = 2, 4, 2, 300, 64
-    q, k = torch.randn(b, hq, n, d), torch.randn(b, hk, n, d) + torch.randn(1, hk, 1, d)
-    v = torch.randn(b, hk, n, d)
-    start, end = torch.tensor([0, 37], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
-    options = dict(sm_scale=0.3, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True, smooth_v=True,
-                   kv_start=start, kv_end=end, block_n=128, k_token_scale=False, v_channel_scale=True,
-                   permute_v=True)
-    fused = launch.quantize_kv(q, k, v, **options)
-    apart = launch.quantize_kv(q, k, v, fuse_ds=False, **options)
-    assert torch.equal(fused.ds, apart.ds) and torch.isfinite(fused.ds).any()
-    assert torch.equal(fused.kq, apart.kq) and torch.equal(fused.vq.view(torch.uint8), apart.vq.view(torch.uint8))
-    # and the value is q̄·(K − k̄)ᵀ·sm_scale·log2 e, per query head of the group
-    k_centered = k - fused.k_bar.view(b, hk, 1, d)
-    want = torch.einsum("bgd,bgnd->bgn", fused.q_bar.view(b, hk, hq // hk, d).flatten(1, 2),
+    q, k = _randn(b, hq, n, d), _randn(b, hk, n, d) + _randn(1, hk, 1, d)
+    v = _randn(b, hk, n, d)
+    start, end = _int32([0, 37]), _int32([300, 250])
+    kv = launch.quantize_kv(q, k, v, sm_scale=0.3, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
+                            smooth_v=True, kv_start=start, kv_end=end, block_n=128, k_token_scale=False,
+                            v_channel_scale=True, permute_v=True)
+    k_centered = k - kv.k_bar.view(b, hk, 1, d)
+    want = torch.einsum("bgd,bgnd->bgn", kv.q_bar.view(b, hk, hq // hk, d).flatten(1, 2),
                         k_centered.repeat_interleave(hq // hk, dim=1)) * 0.3 * launch.LOG2E
-    got = fused.delta_s.view(b, hq, -1)[..., :n]
-    inside = (torch.arange(n) >= start.view(-1, 1, 1)) & (torch.arange(n) < end.view(-1, 1, 1))
+    got = kv.delta_s.view(b, hq, -1)[..., :n]
+    keys = torch.arange(n, device=DEVICE)
+    inside = (keys >= start.view(-1, 1, 1)) & (keys < end.view(-1, 1, 1))
     torch.testing.assert_close(got[inside.expand_as(got)], want[inside.expand_as(want)], rtol=1e-5, atol=1e-5)
 
 
 def test_kv_pass_gives_a_non_finite_key_tile_a_nan_scale():
     b, h, n, d = 1, 1, 300, 64
-    q, k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    q, k, v = _randn(b, h, n, d), _randn(b, h, n, d), _randn(b, h, n, d)
     k[0, 0, 201, 3] = float("inf")  # tile 1 of 128 keys: [128, 256); an odd token, outside the centers' sample
     scales = _hopper_pass(q, k, v).ks.view(-1)
     assert torch.isnan(scales[1]) and torch.isfinite(scales[[0, 2]]).all()
