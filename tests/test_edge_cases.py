@@ -31,8 +31,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
                                         "ignore:overflow encountered:RuntimeWarning")
 
 
-def qkv(b=2, h=2, n=24, d=16, dtype=torch.float32):
-    return tuple(torch.randn(b, h, n, d, device=DEVICE, dtype=dtype) for _ in range(3))
+def qkv(b=2, h=2, n=24, d=16, dtype=torch.float32, device=DEVICE):
+    return tuple(torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
+
+
+def ints(values, dtype=torch.int64):
+    """Key-range ends on the inputs' device (the API refuses a range on another device)."""
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
 # --- 1. non-finite inputs come out non-finite, never as rows that saw no key ----------------------------
@@ -71,7 +76,7 @@ def test_non_finite_input_without_smoothing_reaches_only_its_rows(seed, backend)
 def test_rows_without_keys_stay_zero_beside_non_finite_rows(seed, backend):
     q, k, v = qkv(b=2)
     q[0, 0, 0, 0] = math.nan
-    start, end = torch.tensor([0, 5]), torch.tensor([24, 5])  # sequence 1 sees no key
+    start, end = ints([0, 5]), ints([24, 5])  # sequence 1 sees no key
     out, lse = hf_qattn.qattn(q, k, v, return_lse=True, kv_start=start, kv_end=end, backend=backend)
     assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
     assert not torch.isfinite(out[0, 0]).all()
@@ -122,9 +127,9 @@ def test_decode_kernel_propagates_non_finite_query(seed, splits, tmp_path, monke
     q = torch.randn(1, 4, 2, 32, device=DEVICE)
     q[0, 1, 0, 3] = math.nan
 
-    def run(fused=False):
+    def run(fused=False):  # 16-key tiles: 40 keys make three, so two splits happen on a GPU too
         return decode_launch.decode(q, kq, ks, vq, vs, v_bar, 40, int4=False, num_splits=splits,
-                                    fused_combine=fused)
+                                    fused_combine=fused, block_n=16)
 
     for fused in (False, True):  # the separate combine kernel, and the decode kernel's fused combine
         out = run(fused)  # (B, Nq, Hq, D)
@@ -199,7 +204,9 @@ def test_no_grad_or_detached_inputs_run_quantized(seed, fresh_stats):
     with torch.inference_mode():
         hf_qattn.qattn(q.detach(), k, v)
     hf_qattn.qattn(q.detach(), k, v)
-    assert fresh_stats() == {"calls": {"reference": 3}, "fallbacks": {}}
+    quantized_path, _ = support.select_path(q.detach())  # the reference on a CPU, a kernel on a GPU
+    assert quantized_path != support.SDPA
+    assert fresh_stats() == {"calls": {quantized_path: 3}, "fallbacks": {}}
 
 
 # --- 3. zero-size dimensions -----------------------------------------------------------------------------
@@ -229,7 +236,7 @@ def test_zero_size_dimensions_return_the_empty_result(monkeypatch, fresh_stats, 
 
     monkeypatch.setattr(launch, "triton_attention", no_launch)
     q, k, v = make(hq, nq), make(hk, nk), make(hk, nk)
-    ranges = dict(kv_start=torch.zeros(b, dtype=torch.int64), kv_end=torch.full((b,), nk)) if b else {}
+    ranges = dict(kv_start=ints([0] * b), kv_end=ints([nk] * b)) if b else {}
     for causal in (False, True):
         out, lse = hf_qattn.qattn(q, k, v, layout=layout, is_causal=causal, return_lse=True, backend=backend,
                                   **ranges)
@@ -240,7 +247,7 @@ def test_zero_size_dimensions_return_the_empty_result(monkeypatch, fresh_stats, 
         if d == 0 and not causal:  # every score is 0: lse = log Nk, as SDPA's softmax over Nk equal scores
             assert torch.allclose(lse, torch.full_like(lse, math.log(nk)))
         if d == 0 and causal:  # bottom-right causal: row i sees Nk − Nq + i + 1 keys
-            seen = torch.arange(nq) + nk - nq + 1
+            seen = torch.arange(nq, device=DEVICE) + nk - nq + 1
             assert torch.allclose(lse[0, 0], seen.float().log())
     assert fresh_stats()["calls"] == {}
 
@@ -255,7 +262,9 @@ def test_zero_size_with_gradients(seed):
 
 # --- 4. key ranges --------------------------------------------------------------------------------------
 def test_kv_start_after_kv_end_is_an_error():
-    q, k, v = qkv(b=3, h=1, n=8)
+    """Checked where the check is free: ranges in host memory (on a GPU it would wait for the device;
+    the kernels read such a range as empty, the next test)."""
+    q, k, v = qkv(b=3, h=1, n=8, device="cpu")
     with pytest.raises(ValueError, match=r"kv_start must not exceed kv_end; sequence 1 has kv_start 5 > kv_end 2"):
         hf_qattn.qattn(q, k, v, kv_start=torch.tensor([0, 5, 1]), kv_end=torch.tensor([8, 2, 1]))
     # start == end is an empty range (zeros), not an error
@@ -267,7 +276,7 @@ def test_kernel_reads_start_after_end_as_an_empty_range(seed):
     """What a GPU call (not checked: that would wait for the device) gets: zeros and lse −inf."""
     q, k, v = qkv(b=2, h=2, n=40, d=32)
     out = torch.full_like(q, math.nan)
-    start, end = torch.tensor([33, 20], dtype=torch.int32), torch.tensor([40, 3], dtype=torch.int32)
+    start, end = ints([33, 20], torch.int32), ints([40, 3], torch.int32)
     for causal in (False, True):
         lse = launch.triton_attention(q, k, v, out, is_causal=causal, sm_scale=0.2, qk="int8", v_fp8=True,
                                          smooth_q=True, smooth_k=True, smooth_v=True, kv_start=start, kv_end=end,
