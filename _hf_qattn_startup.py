@@ -12,7 +12,7 @@ torch anyway), the finder imports hf_qattn, whose own registration then complete
 load, and removes itself. A process that never uses transformers' models never imports hf_qattn.
 
 ``HF_QATTN_NO_STARTUP_HOOK=1`` turns the hook off. Editable installs (``pip install -e``) do not install
-``.pth`` files from the wheel: there, ``import hf_qattn`` or ``python -m hf_qattn.lm_eval``.
+``.pth`` files from the wheel: there, ``import hf_qattn`` or ``python -m hf_qattn.evaluation.lm_eval``.
 A failure inside the hook is reported as a warning and never breaks transformers' own import.
 """
 

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from hf_qattn.kernels import launch, tuning
-from hf_qattn.metrics import accuracy
+from hf_qattn.calibration.metrics import accuracy
 
 SDPA = torch.nn.attention.SDPBackend
 ROWS = 2048

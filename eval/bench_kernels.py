@@ -30,7 +30,7 @@ from synthetic import outlier_qkv  # noqa: E402
 import hf_qattn  # noqa: E402
 from hf_qattn import reference  # noqa: E402
 from hf_qattn.kernels import launch, tuning  # noqa: E402
-from hf_qattn.metrics import accuracy  # noqa: E402
+from hf_qattn.calibration.metrics import accuracy  # noqa: E402
 
 SDPA = torch.nn.attention.SDPBackend
 

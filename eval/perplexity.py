@@ -15,7 +15,7 @@ it, once per mode::
         --include_path eval/lm_eval_tasks --tasks wikitext2_local --metadata '{"docs": N}' --batch_size 1
 
 ``--lm-eval plain`` runs exactly that (needs the wheel install, whose startup hook registers qattn);
-``module`` (the default when no hook is installed) runs ``python -m hf_qattn.lm_eval`` with the same
+``module`` (the default when no hook is installed) runs ``python -m hf_qattn.evaluation.lm_eval`` with the same
 arguments. The task (eval/lm_eval_tasks/wikitext2_local.yaml) uses lm-eval's wikitext detokenizer and
 ``process_results``: rolling log-likelihood over whole documents, word / byte perplexity =
 exp(-Σll / Σcount), bits per byte = -Σll / Σbytes / ln 2, counts on the original text.
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=512, help="tokens per calibration document")
     parser.add_argument("--lm-eval", choices=["auto", "plain", "module"], default="auto",
                         help="plain: the lm_eval command (needs the wheel's startup hook); "
-                             "module: python -m hf_qattn.lm_eval; auto: plain when the hook is installed")
+                             "module: python -m hf_qattn.evaluation.lm_eval; auto: plain when the hook is installed")
     parser.add_argument("--work", default=os.path.join(os.path.expanduser("~"), ".cache", "hf_qattn", "eval"))
     parser.add_argument("--out", help="Markdown report (default eval/results/perplexity-<model>-<device>-<date>.md)")
     args = parser.parse_args()
@@ -155,7 +155,7 @@ def main() -> None:
         model_dir, model_name = ensure(), NAME
     docs = args.docs if "," in args.docs else int(args.docs)
     launcher = (["lm_eval"] if args.lm_eval == "plain" or (args.lm_eval == "auto" and hook_installed())
-                else [sys.executable, "-m", "hf_qattn.lm_eval"])
+                else [sys.executable, "-m", "hf_qattn.evaluation.lm_eval"])
     work = os.path.join(args.work, model_name)
     os.makedirs(work, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"

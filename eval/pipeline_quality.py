@@ -7,7 +7,7 @@ embedding seed per "prompt"): a Flux image pipeline with a tiny VAE (32×32 pixe
 pipeline with a tiny Wan VAE (9 frames of 64×64). Each prompt is generated with the same generator
 seed under SDPA (unpatched: the reference, then once more for the table's sdpa row), qattn int8 and
 qattn int4 (``hf_qattn.patch(pipe, plan=...)``), decoded to pixels, and compared with the SDPA output
-of the same seed by ``hf_qattn.pipeline_eval.run`` (the engine of ``hf-qattn eval-pipeline``): PSNR, SSIM,
+of the same seed by ``hf_qattn.evaluation.pipeline.run`` (the engine of ``hf-qattn eval-pipeline``): PSNR, SSIM,
 the lowest per-frame cosine, and for video VBench's temporal-flickering score (with the SDPA
 video's own beside it). Random weights make these small models far more sensitive than trained
 ones; the table shows the metrics run end to end and how far quantization moves a pipeline's pixels.
@@ -25,7 +25,7 @@ import os
 import torch
 
 import hf_qattn
-from hf_qattn import pipeline_eval
+from hf_qattn.evaluation import pipeline as pipeline_eval
 
 
 WORDS = ["<pad>", "</s>", "<unk>"] + "a an the cat dog fox sits runs on in mat snow red blue sky".split()

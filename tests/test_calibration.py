@@ -10,7 +10,7 @@ from hf_qattn import QAttnPlan, calibrate
 from hf_qattn.integrations.transformers.calibration import _simple_progress
 from hf_qattn.integrations import transformers as integration
 from hf_qattn.plan import PLAN_CONFIG_KEY
-from hf_qattn.scoring import attention_accuracy
+from hf_qattn.calibration.scoring import attention_accuracy
 
 pytestmark = pytest.mark.usefixtures("seed")
 

@@ -16,7 +16,8 @@ import types
 import pytest
 import torch
 
-from hf_qattn import cli, pipeline_eval
+from hf_qattn import cli
+from hf_qattn.evaluation import pipeline as pipeline_eval
 from hf_qattn.plan import PLAN_CONFIG_KEY, QAttnPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

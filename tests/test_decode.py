@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 from hf_qattn import reference  # noqa: E402
 from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 from hf_qattn.kernels import decode, decode_launch, tuning  # noqa: E402
-from hf_qattn.metrics import accuracy  # noqa: E402
+from hf_qattn.calibration.metrics import accuracy  # noqa: E402
 
 if not (torch.cuda.is_available() or tuning.interpreting()):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)

@@ -16,7 +16,7 @@ import hf_qattn
 from hf_qattn.cli import CLIError
 from hf_qattn.integrations import diffusers as integration
 from hf_qattn.integrations.diffusers.calibration import PipelineCalibration
-from hf_qattn.report import plot_scores
+from hf_qattn.calibration.plots import plot_scores
 from hf_qattn.cli.calibrate_pipeline import add_calibrate_pipeline_parser, run_calibrate_pipeline
 from hf_qattn.plan import PLAN_CONFIG_KEY
 

@@ -1,5 +1,5 @@
 """The local WikiText-style lm-eval task (eval/lm_eval_tasks) and lm-eval end to end through
-``python -m hf_qattn.lm_eval`` on a tiny random model. Skipped without lm-eval (pip install lm-eval);
+``python -m hf_qattn.evaluation.lm_eval`` on a tiny random model. Skipped without lm-eval (pip install lm-eval);
 CI also runs the plain ``lm_eval`` command against the installed wheel (.ci/run)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_metrics_are_lm_eval_wikitext():
 def test_lm_eval_end_to_end_with_qattn(tmp_path):
     model_dir, text_file = tiny_causal_lm.build(str(tmp_path / "tiny"))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hf_qattn.lm_eval", "--model", "hf", "--model_args",
+    cmd = [sys.executable, "-m", "hf_qattn.evaluation.lm_eval", "--model", "hf", "--model_args",
            f"pretrained={model_dir},attn_implementation=qattn,max_length=32", "--include_path", TASKS,
            "--tasks", "wikitext2_local", "--metadata", json.dumps({"text_file": text_file}),
            "--batch_size", "1", "--output_path", str(out)]

@@ -1,4 +1,4 @@
-"""hf_qattn.quality (weight-free image/video metrics) and eval/pipeline_quality.py end to end."""
+"""hf_qattn.evaluation.quality (weight-free image/video metrics) and eval/pipeline_quality.py end to end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hf_qattn import quality
+from hf_qattn.evaluation import quality
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,7 +14,7 @@ import torch
 
 import hf_qattn
 from hf_qattn import quant, reference
-from hf_qattn.metrics import accuracy
+from hf_qattn.calibration.metrics import accuracy
 
 OFF = dict(qk="none", pv="none")  # quantization switched off, smoothing still on
 

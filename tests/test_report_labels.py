@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from hf_qattn import QAttnPlan
-from hf_qattn.scoring import SCORE_MEANING, Score
+from hf_qattn.calibration.scoring import SCORE_MEANING, Score
 
 pytest.importorskip("matplotlib")
 
@@ -21,7 +21,7 @@ def fake_result():
 
 def test_layer_plot_has_no_bars_on_its_zoomed_axis(tmp_path):
     """Was: bars on an axis starting at 0.84, so a 0.93 layer looked a tenth as tall as a 0.995 one."""
-    from hf_qattn.report import layer_scores_figure, plot_layer_scores
+    from hf_qattn.calibration.plots import layer_scores_figure, plot_layer_scores
 
     ax = layer_scores_figure(fake_result(), "t").axes[0]
     low, high = ax.get_ylim()
@@ -40,7 +40,7 @@ def test_score_meaning_says_what_and_which_way():
 
 
 def test_sensitivity_plot_draws_bars_from_zero_and_says_which_way(tmp_path):
-    from hf_qattn.report import layer_sensitivity_figure, plot_layer_sensitivity
+    from hf_qattn.calibration.plots import layer_sensitivity_figure, plot_layer_sensitivity
 
     scores = {layer: SimpleNamespace(mean=m, worst=w) for layer, (m, w) in
               enumerate([(0.02, 0.05), (-0.01, 0.01), (0.08, 0.2), (0.03, 0.04)])}

@@ -11,7 +11,7 @@ import torch
 
 import hf_qattn
 from hf_qattn import quant, reference
-from hf_qattn.metrics import accuracy
+from hf_qattn.calibration.metrics import accuracy
 
 
 def issue_input(seed: int, size: float = 6e4):

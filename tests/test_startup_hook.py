@@ -1,5 +1,5 @@
 """The startup hook (_hf_qattn_startup, imported by the wheel's hf_qattn-startup.pth) and
-``python -m hf_qattn.lm_eval``. Each case runs a fresh interpreter: the hook acts at start-up."""
+``python -m hf_qattn.evaluation.lm_eval``. Each case runs a fresh interpreter: the hook acts at start-up."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_hook_when_transformers_is_loaded_first(site_dir):
 
 
 def test_module_runner_without_lm_eval():
-    code = "import sys; sys.modules['lm_eval'] = None\nfrom hf_qattn.lm_eval import main\nmain(['--help'])"
+    code = "import sys; sys.modules['lm_eval'] = None\nfrom hf_qattn.evaluation.lm_eval import main\nmain(['--help'])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "pip install" in result.stderr and "lm-eval" in result.stderr and "Traceback" not in result.stderr

@@ -68,7 +68,7 @@ def run_calibrate(args) -> int:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "scores.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
-    from ..scoring import SCORE_MEANING
+    from ..calibration.scoring import SCORE_MEANING
 
     if args.objective == "attention":
         plot = save_plot(result, out / "scores.png", f"{model_dir.name}: INT4 score per layer ({len(texts)} inputs)")

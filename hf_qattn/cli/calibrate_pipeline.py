@@ -104,7 +104,7 @@ def run_calibrate_pipeline(args: argparse.Namespace) -> int:
     except ImportError:
         raise CLIError("calibrate-pipeline needs diffusers: pip install 'hf-qattn[diffusers]'") from None
 
-    from ..report import plot_scores
+    from ..calibration.plots import plot_scores
     from ..integrations.diffusers.calibration import calibrate_pipeline
 
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")

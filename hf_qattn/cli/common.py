@@ -21,9 +21,10 @@ def score_rows(result) -> list[list]:
 
 
 def save_plot(result, path: Path, title: str, label: str | None = None) -> Path | None:
-    """:func:`hf_qattn.report.plot_layer_scores` (attention scores), or with ``label`` (an end-to-end
-    objective's metric) :func:`~hf_qattn.report.plot_layer_sensitivity`; a note and None without matplotlib."""
-    from ..report import plot_layer_scores, plot_layer_sensitivity
+    """:func:`hf_qattn.calibration.plots.plot_layer_scores` (attention scores), or with ``label`` (an
+    end-to-end objective's metric) :func:`~hf_qattn.calibration.plots.plot_layer_sensitivity`; a note and
+    None without matplotlib."""
+    from ..calibration.plots import plot_layer_scores, plot_layer_sensitivity
 
     try:
         if label is not None:

@@ -87,7 +87,7 @@ def run_demo(args) -> int:
     from .. import fallback_stats, reset_fallback_stats
     from ..integrations.transformers.calibration import calibrate
     from ..plan import PLAN_CONFIG_KEY, QAttnPlan
-    from ..scoring import SCORE_MEANING
+    from ..calibration.scoring import SCORE_MEANING
 
     quiet_transformers()
     device = default_device()

@@ -2,7 +2,7 @@
 
 Runs the model with SDPA on windows of ``--text``, captures the Q, K, V every attention layer receives
 and runs them through ``hf_qattn.qattn`` as qattn-8b and qattn-4b (the kernels on a GPU, their
-reference on a CPU), against float64 attention on the same Q, K, V (:mod:`hf_qattn.layer_accuracy`).
+reference on a CPU), against float64 attention on the same Q, K, V (:mod:`hf_qattn.evaluation.layer_accuracy`).
 Prints the table (CosSim, RelL1, RMSE per layer: average and worst over the windows) and writes
 ``attention-accuracy.md`` and ``attention-accuracy.json`` into ``--out``.
 """
@@ -33,7 +33,7 @@ def run_eval_attention(args) -> int:
     from transformers import AutoTokenizer
 
     from .. import __version__
-    from ..layer_accuracy import capture_attention_inputs, per_layer_accuracy, per_layer_table, text_windows
+    from ..evaluation.layer_accuracy import capture_attention_inputs, per_layer_accuracy, per_layer_table, text_windows
     from .common import default_device, model_class, quiet_transformers
 
     if not (args.model_dir / "config.json").is_file():

@@ -14,8 +14,8 @@ has a full-precision twin:
 Outputs go into OUT_DIR in VBench's layout, one folder per mode: ``OUT_DIR/<mode>/{prompt}-{index}.mp4``
 for videos (imageio + imageio-ffmpeg, or torchvision + PyAV; without either, the frames as PNGs in
 ``{prompt}-{index}/``) and ``{prompt}-{index}.png`` for images, the prompt kept verbatim as VBench
-wants it (:func:`hf_qattn.pipeline_eval.vbench_stem`). Each output is compared with the ``sdpa`` output
-of the same seed (:func:`hf_qattn.quality.sample_metrics`: PSNR, SSIM, lowest frame cosine, and VBench's
+wants it (:func:`hf_qattn.evaluation.pipeline.vbench_stem`). Each output is compared with the ``sdpa`` output
+of the same seed (:func:`hf_qattn.evaluation.quality.sample_metrics`: PSNR, SSIM, lowest frame cosine, and VBench's
 weight-free temporal-flickering score of videos), and ``eval-pipeline.md`` / ``eval-pipeline.json``
 are written: per mode the mean and worst of each metric, per prompt rows, and the model, modes,
 plans, versions, device, seed, date and command. VBench dimensions (``--vbench-dimensions``) run only
@@ -66,7 +66,7 @@ def _pipeline_arg(text: str) -> tuple[str, object]:
 
 
 def _dimensions(text: str) -> list[str]:
-    from ..pipeline_eval import VBENCH_DIMENSIONS
+    from ..evaluation.pipeline import VBENCH_DIMENSIONS
 
     if text.strip().lower() in ("", "none"):
         return []
@@ -79,7 +79,7 @@ def _dimensions(text: str) -> list[str]:
 
 
 def add_eval_pipeline_parser(subparsers) -> None:
-    from ..pipeline_eval import VBENCH_DEFAULT
+    from ..evaluation.pipeline import VBENCH_DEFAULT
 
     parser = subparsers.add_parser(
         "eval-pipeline", help="generate with a diffusers pipeline per attention mode; metrics against SDPA, "
@@ -151,7 +151,7 @@ def _model_index(pipeline_dir: str) -> dict:
 
 def _check_names(prompts: list[str]) -> None:
     """No two prompts may share a file name."""
-    from ..pipeline_eval import vbench_stem
+    from ..evaluation.pipeline import vbench_stem
 
     seen: dict[str, int] = {}
     for number, prompt in enumerate(prompts, 1):
@@ -266,7 +266,7 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
 
 
 def summary_columns(summary: dict) -> list[str]:
-    from ..pipeline_eval import METRICS
+    from ..evaluation.pipeline import METRICS
 
     present = {metric for per_mode in summary.values() for metric in per_mode}
     return [metric for metric in METRICS if metric in present]
@@ -357,7 +357,8 @@ def run_eval_pipeline(args) -> int:
     import torch
     import diffusers
 
-    from .. import __version__, pipeline_eval
+    from .. import __version__
+    from ..evaluation import pipeline as pipeline_eval
     from ..integrations.diffusers import patch
     from ..plan import PlanError
     from .common import quiet_transformers

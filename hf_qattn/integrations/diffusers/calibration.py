@@ -2,7 +2,7 @@
 
 The pipeline runs its normal denoising loop in full precision (its outputs are the unpatched
 ones). At every attention call of the denoiser, the INT4 kernel is scored on the very Q, K, V it
-sees (:func:`hf_qattn.scoring.attention_accuracy`, score = CosSim · (1 − RelL1)), filed under the
+sees (:func:`hf_qattn.calibration.scoring.attention_accuracy`, score = CosSim · (1 − RelL1)), filed under the
 current denoising step (see :mod:`hf_qattn.integrations.diffusers.steps`) and the module's layer
 index. Several calls at one (step, layer) within a prompt — separate cond / uncond passes — are
 averaged; each prompt then counts once in the mean, and the worst single call is kept too. The
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...plan import QAttnPlan, check_ratio
-from ...scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
+from ...calibration.scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .patching import _start_patch, store_plan
 
 StepLayer = tuple[int, int]
@@ -132,7 +132,8 @@ def calibrate_pipeline(
         **pipeline_kwargs: passed to every call (height, width, guidance_scale, ...);
             ``output_type`` defaults to ``"latent"`` (no decoding needed to calibrate).
 
-    Returns a :class:`PipelineCalibration`; see :func:`hf_qattn.report.plot_scores` for the step × layer heatmap.
+    Returns a :class:`PipelineCalibration`; see :func:`hf_qattn.calibration.plots.plot_scores` for the
+    step × layer heatmap.
     """
     check_ratio(ratio, "(step, layer) entries")
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:

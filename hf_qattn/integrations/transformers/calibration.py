@@ -22,7 +22,7 @@ measures per token (:class:`_KL`, :class:`_NLL`) and by the precisions it probes
 
 Attention objective: the model runs with full-precision attention on a few real inputs (its outputs are the
 full-precision ones). At every attention call the INT4 kernel is scored on the very Q, K, V the
-layer sees — :func:`hf_qattn.scoring.attention_accuracy`, score = CosSim · (1 − RelL1) — one
+layer sees — :func:`hf_qattn.calibration.scoring.attention_accuracy`, score = CosSim · (1 − RelL1) — one
 sequence at a time, padding cut away, so every input counts once and padding adds no noise. Only
 running sums are kept, never tensors. The lowest-scoring ``ratio`` share of layers (by mean score)
 becomes ``"int8"``, the rest ``"int4"`` (:meth:`hf_qattn.QAttnPlan.from_scores`); the plan goes
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...plan import PLAN_CONFIG_KEY, UNQUANTIZED, QAttnPlan, check_ratio
-from ...scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
+from ...calibration.scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .attention import layer_index
 
 
@@ -84,7 +84,7 @@ class PerplexityGain(Sensitivity):
 class CalibrationResult(CalibrationOutcome):
     """``plan, scores = calibrate(...)`` unpacks; ``skipped`` counts calls the kernel could not serve.
 
-    ``scores`` holds a :class:`~hf_qattn.scoring.Score` per layer (objective ``"attention"``: higher is
+    ``scores`` holds a :class:`~hf_qattn.calibration.scoring.Score` per layer (objective ``"attention"``: higher is
     better) or a :class:`Sensitivity` (``"logit-kl"``, ``"logit-kl-gain"``: higher → int8 first; objective
     ``"ppl-gain"``: its subclass :class:`PerplexityGain`)."""
 
@@ -482,7 +482,7 @@ def calibrate(
             int8; L + 2 forwards; needs logits and input_ids).
 
     Returns a :class:`CalibrationResult` (``plan, scores = calibrate(...)``): ``scores[layer]`` has the
-    mean and worst over inputs (a :class:`~hf_qattn.scoring.Score` or a :class:`Sensitivity`), plus the
+    mean and worst over inputs (a :class:`~hf_qattn.calibration.scoring.Score` or a :class:`Sensitivity`), plus the
     number of forwards and seconds spent. ``model.config.qattn_plan`` holds ``plan.to_dict()``.
     The model comes back in its previous attention implementation and train/eval mode.
     """

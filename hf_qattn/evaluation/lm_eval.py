@@ -1,8 +1,8 @@
-"""``python -m hf_qattn.lm_eval ARGS``: lm-eval's command line, with ``attn_implementation="qattn"`` known.
+"""``python -m hf_qattn.evaluation.lm_eval ARGS``: lm-eval's command line, with ``attn_implementation="qattn"`` known.
 
 Same arguments as ``lm_eval``, e.g.::
 
-    python -m hf_qattn.lm_eval --model hf \\
+    python -m hf_qattn.evaluation.lm_eval --model hf \\
         --model_args pretrained=DIR,attn_implementation=qattn,dtype=float32 \\
         --include_path eval/lm_eval_tasks --tasks wikitext2_local
 
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as error:
-        raise SystemExit(f"hf_qattn.lm_eval needs lm-eval ({error}): pip install 'hf-qattn[eval]' "
+        raise SystemExit(f"hf_qattn.evaluation.lm_eval needs lm-eval ({error}): pip install 'hf-qattn[eval]' "
                          "(or pip install lm-eval)") from None
     import hf_qattn  # noqa: F401  (registers "qattn" with transformers as its modules load)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from .plan import QAttnPlan
+from ..plan import QAttnPlan
 from .scoring import METRIC
 
 SCORE_LABEL = f"INT4 score ({METRIC})"

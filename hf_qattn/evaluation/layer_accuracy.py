@@ -12,8 +12,8 @@ import torch
 
 import hf_qattn
 
-from . import reference
-from .metrics import accuracy
+from .. import reference
+from ..calibration.metrics import accuracy
 
 MODES = (("qattn-8b", "int8"), ("qattn-4b", "int4"))
 

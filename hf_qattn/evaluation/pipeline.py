@@ -6,7 +6,7 @@ The engine of ``hf-qattn eval-pipeline`` and of ``eval/pipeline_quality.py`` (on
   reference first: ``sdpa`` (the pipeline unpatched, full precision), ``int8`` / ``int4``
   (``hf_qattn.patch(pipe, plan=...)`` with that precision in every layer) and ``plan`` (the plan
   stored in each denoiser's config by ``calibrate-pipeline``, or one given). Every output is compared
-  with the reference output of the same call (same seed) by :func:`hf_qattn.quality.sample_metrics`;
+  with the reference output of the same call (same seed) by :func:`hf_qattn.evaluation.quality.sample_metrics`;
   only one call's outputs are held at a time. A mode given twice runs twice (labels ``int8#2``...).
 - :func:`pixels` turns what a pipeline returns (``images`` or ``frames``; tensors, arrays or PIL
   images) into float tensors in [0, 1]: images (N, C, H, W), videos (N, F, C, H, W), and says which.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import quality
-from .stats import fallback_stats, reset_fallback_stats
+from ..stats import fallback_stats, reset_fallback_stats
 
 MODES = ("sdpa", "int8", "int4", "plan")
 REFERENCE = "sdpa"
@@ -80,7 +80,7 @@ def mode_context(pipe, mode: str, plan=None):
         return contextlib.nullcontext()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    from .integrations.diffusers import patch
+    from ..integrations.diffusers import patch
 
     return patch(pipe, plan=plan if mode == "plan" else mode)
 
@@ -146,7 +146,7 @@ def generate(pipe, call: Call, steps: int, kind: str | None = None, **common) ->
 # -- the loop ------------------------------------------------------------------------------------
 
 def _progress(items: list, enabled: bool, desc: str):
-    from .integrations.transformers.calibration import _progress as progress  # tqdm when installed
+    from ..integrations.transformers.calibration import _progress as progress  # tqdm when installed
 
     return progress(items, enabled, desc)
 

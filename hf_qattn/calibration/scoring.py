@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .api import qattn
+from ..api import qattn
 from .metrics import Accuracy, accuracy
-from .reference import sdpa_attention
+from ..reference import sdpa_attention
 
 CALIBRATION_QK = "int4"  # calibration scores the 4-bit kernel; the lowest scores get int8
 METRIC = "cos_sim*(1-rel_l1)"
