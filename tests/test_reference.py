@@ -32,6 +32,12 @@ def ranges(b, nk):
     return start, end
 
 
+def score_magnitude(q, k):
+    """max over keys of Σ_c |q_c·k_c|·d^-½, per query row (B, Hq, Nq): the size of a score's terms."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return (q.double().abs() @ k.double().abs().transpose(-1, -2)).amax(-1) * q.shape[-1] ** -0.5
+
+
 # --- quantization switched off: the smoothing corrections (ΔS, v̄, k̄ in the lse) are exact -----------
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hq,hk,nq,nk", [(4, 4, 37, 37), (4, 2, 20, 53), (3, 1, 1, 40), (2, 2, 50, 30)])
@@ -45,7 +51,10 @@ def test_unquantized_is_exact(seed, causal, hq, hk, nq, nk):
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
         finite = torch.isfinite(ref_lse)
         assert torch.equal(finite, torch.isfinite(lse))
-        torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+        # the lse is a sum of float32 terms as large as the scores' |q|·|k| (the inputs' offsets make them
+        # hundreds, and smoothing moves parts of them between terms): allow a few float32 roundings of that
+        err = (lse.double() - ref_lse).abs()[finite]
+        assert (err <= 1e-5 + 8 * torch.finfo(torch.float32).eps * score_magnitude(q, k)[finite]).all(), err.max()
 
 
 def test_rows_without_keys_are_zero(seed):
