@@ -154,7 +154,7 @@ def check_captured_step(device, steps: int = 24) -> dict:
             logits = (step(token) if captured else model(token, past_key_values=cache, use_cache=True).logits)
             scores.append(logits[:, -1].float().clone())
         runs.append((torch.cat(tokens, 1), torch.stack(scores, 1), cache.get_seq_length(),
-                     [layer.device_length.item() for layer in cache.layers]))
+                     [layer.storage().device_length.item() for layer in cache.layers]))
     (t0, s0, n0, d0), (t1, s1, n1, d1) = runs
     rng = (s0.amax(-1) - s0.amin(-1)).clamp_min(1e-6)
     err = ((s1 - s0).abs().amax(-1) / rng).max().item()

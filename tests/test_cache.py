@@ -86,11 +86,13 @@ def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
             assert keys.shape == (2, 2, b, 32) and keys.dtype == k.dtype
     assert layer.get_seq_length() == 300 and layer.get_mask_sizes(1) == (301, 0)
     k_bar, v_bar = kv_reference.centers(k[:, :, :200], v[:, :, :200])
-    torch.testing.assert_close(layer.k_bar, k_bar)
+    store = layer.storage()
+    assert store.length == 300 and store.capacity >= 300
+    torch.testing.assert_close(store.k_bar, k_bar)
     kq, ks, vq, vs = kv_reference.quantize_tokens(k, v, k_bar, v_bar, precision)
-    assert torch.equal(layer.kq[:, :, :300], kq)
-    torch.testing.assert_close(layer.ks[:, :, :300], ks, rtol=1e-6, atol=0)
-    assert (layer.vq[:, :, :300].float() != vq.float()).float().mean() < 1e-3
+    assert torch.equal(store.kq[:, :, :300], kq)
+    torch.testing.assert_close(store.ks[:, :, :300], ks, rtol=1e-6, atol=0)
+    assert (store.vq[:, :, :300].float() != vq.float()).float().mean() < 1e-3
     # the dequantized fallback rebuilds K and V to the format's resolution
     kd, vd = layer.dequantized()
     assert ((kd - k).abs() <= 0.5 * ks[..., None] * 1.001 + 1e-5).all()
@@ -121,12 +123,23 @@ def test_static_storage_is_preallocated_and_bounded(seed):
     layer = qcache.QAttnLayer("int8", max_len=24)
     k, v = _states(1, 2, 20, 16)
     layer.update(k, v)
-    buffer = layer.kq
-    assert layer.capacity == 24 and layer.get_max_length() == 24
+    buffer = layer.storage().kq
+    assert layer.storage().capacity == 24 and layer.get_max_length() == 24
     layer.update(k[:, :, :4], v[:, :, :4])
-    assert layer.kq is buffer  # filled in place
+    assert layer.storage().kq is buffer  # filled in place
     with pytest.raises(qcache.QAttnCacheError, match="static_max_len"):
         layer.update(k[:, :, :1], v[:, :, :1])
+
+
+def test_advance_after_replay_moves_the_host_count_only(seed):
+    """A replayed CUDA graph step already appended its token and advanced the device count: the layer's
+    host count (what masks and positions are built from) follows, the device count is left alone."""
+    layer = qcache.QAttnLayer("int8", max_len=8)
+    k, v = _states(1, 2, 3, 16)
+    layer.update(k, v)
+    layer.advance_after_replay(2)
+    assert layer.get_seq_length() == 5 and layer.get_mask_sizes(1) == (6, 0)
+    assert layer.storage().length == 5 and layer.storage().device_length.tolist() == [3]
 
 
 def test_packed_handles_refuse_other_attention_implementations(seed):
@@ -145,9 +158,9 @@ def test_reorder_and_crop(seed):
     layer = qcache.QAttnLayer("int4")
     k, v = _states(3, 2, 12, 16)
     layer.update(k, v)
-    kq = layer.kq.clone()
+    kq = layer.storage().kq.clone()
     layer.reorder_cache(torch.tensor([2, 0, 1]))
-    assert torch.equal(layer.kq, kq[[2, 0, 1]]) and layer.k_bar.shape[0] == 3
+    assert torch.equal(layer.storage().kq, kq[[2, 0, 1]]) and layer.storage().k_bar.shape[0] == 3
     layer.crop(-5)
     assert layer.get_seq_length() == 7
 
@@ -244,10 +257,8 @@ def test_decode_step_matches_float64_attention_on_the_cache(seed):
     # replay: a DynamicCache holding the dequantized tokens of the quantized cache, eager attention in float32
     replay = transformers.DynamicCache(config=model.config)
     for index, layer in enumerate(cache.layers):
-        layer.length -= 3
-        k, v = layer.dequantized()
-        layer.length += 3
-        replay.update(k, v, index)
+        k, v = layer.dequantized()  # per-token scales: the first tokens dequantize alike without the last 3
+        replay.update(k[:, :, :-3], v[:, :, :-3], index)
     eager = _tiny_lm(attn="eager")
     eager.load_state_dict(model.state_dict())
     with torch.no_grad():
@@ -299,11 +310,12 @@ def test_static_storage_keeps_the_token_count_on_the_device(seed, plan):
     rng = growing.amax(-1, keepdim=True) - growing.amin(-1, keepdim=True)
     assert ((logits - growing).abs() / rng).amax() < 1e-3
     for layer in static.layers:
-        assert layer.length == 16 and layer.device_length.tolist() == [16] and layer.capacity == 40
+        store = layer.storage()
+        assert store.length == 16 and store.device_length.tolist() == [16] and store.capacity == 40
     static.crop(-3)
-    assert [layer.device_length.item() for layer in static.layers] == [13, 13]
+    assert [layer.storage().device_length.item() for layer in static.layers] == [13, 13]
     static.reset()
-    assert [layer.device_length.item() for layer in static.layers] == [0, 0]
+    assert [layer.storage().device_length.item() for layer in static.layers] == [0, 0]
 
 
 def test_captured_decode_step_runs_the_step_it_captures(seed):

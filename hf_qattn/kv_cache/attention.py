@@ -45,7 +45,7 @@ class PackedKV(torch.Tensor):
 
     @staticmethod
     def __new__(cls, layer, which: str):
-        shape = (layer.batch_size, layer.num_heads, layer.length, layer.head_dim)
+        shape = (layer.batch_size, layer.num_heads, layer.get_seq_length(), layer.head_dim)
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=layer.dtype, device=layer.device,
                                                 requires_grad=False)
         t.layer = layer
@@ -100,10 +100,11 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
 
     ``pattern`` is the integration's reading of the mask (``causal``, ``kv_len``, ``kv_start``, ``kv_end``).
     """
-    layer = key.layer
-    if query.shape[1] % layer.num_heads:
-        raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {layer.num_heads} cached heads")
-    nk = min(int(pattern.kv_len), layer.length)
+    store = key.layer.storage()
+    heads = store.kq.shape[1]
+    if query.shape[1] % heads:
+        raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {heads} cached heads")
+    nk = min(int(pattern.kv_len), store.length)
     if _kernels_available(query.device):
         from ..kernels import decode_launch
 
@@ -111,15 +112,15 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
             # static storage read to its end: the kernel takes the count from device memory (graph-replayable)
-            by_device = layer.device_length is not None and nk == layer.length
-            return decode_launch.decode(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar,
-                                        layer.capacity if by_device else nk, int4=layer.precision == "int4",
+            by_device = store.device_length is not None and nk == store.length
+            return decode_launch.decode(query, store.kq, store.ks, store.vq, store.vs, store.v_bar,
+                                        store.capacity if by_device else nk, int4=store.precision == "int4",
                                         sm_scale=scaling, causal=pattern.causal, kv_start=pattern.kv_start,
-                                        kv_end=pattern.kv_end, length=layer.device_length if by_device else None)
+                                        kv_end=pattern.kv_end, length=store.device_length if by_device else None)
     stats.record_call("reference")
-    return reference.decode_attention(query, layer.kq, layer.ks, layer.vq, layer.vs, layer.v_bar, nk,
-                                       precision=layer.precision, sm_scale=scaling, causal=pattern.causal,
-                                       kv_start=pattern.kv_start, kv_end=pattern.kv_end, dtype=torch.float32)
+    return reference.decode_attention(query, store.kq, store.ks, store.vq, store.vs, store.v_bar, nk,
+                                      precision=store.precision, sm_scale=scaling, causal=pattern.causal,
+                                      kv_start=pattern.kv_start, kv_end=pattern.kv_end, dtype=torch.float32)
 
 
 def dequantize(t: PackedKV) -> torch.Tensor:

@@ -23,12 +23,14 @@ What a layer's ``update`` returns:
 
 ``static_max_len`` preallocates every layer's storage for that many tokens (no reallocation while
 generating; exceeding it raises) and keeps each layer's token count in device memory as well
-(``QAttnLayer.device_length``), which the append and decode kernels read: a decode step then has no
-host-side value that changes from step to step, so it can be captured in a CUDA graph and replayed
-(:class:`hf_qattn.CapturedDecodeStep`).
+(``QAttnLayer.storage().device_length``), which the append and decode kernels read: a decode step then
+has no host-side value that changes from step to step, so it can be captured in a CUDA graph and
+replayed (:class:`hf_qattn.CapturedDecodeStep`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -47,8 +49,35 @@ CENTER_SAMPLE = 256
 _MIN_CAPACITY = 256
 
 
+class CacheStorage(NamedTuple):
+    """A read view of a :class:`QAttnLayer`'s storage (the tensors themselves, not copies; only the layer
+    writes them): what the attention over the cache reads.
+
+    ``kq`` (B, Hk, capacity, D or D_PAD/2 for INT4) int8, ``ks`` (B, Hk, capacity) its per-token scales,
+    ``vq`` (B, Hk, capacity, D) FP8 E4M3, ``vs`` its scales, ``k_bar`` / ``v_bar`` (B, Hk, D) the centers;
+    the first ``length`` tokens are cached. ``device_length``: the same count as a (1,) int32 tensor
+    on the device with static storage, else None.
+    """
+
+    precision: str
+    kq: torch.Tensor
+    ks: torch.Tensor
+    vq: torch.Tensor
+    vs: torch.Tensor
+    k_bar: torch.Tensor
+    v_bar: torch.Tensor
+    length: int
+    capacity: int
+    device_length: torch.Tensor | None
+
+
 class QAttnLayer(CacheLayerMixin):
-    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V, per-token scales, fixed centers."""
+    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V, per-token scales, fixed centers.
+
+    The storage is the layer's own: it writes it in :meth:`update` (and ``crop``, ``reset``, the batch
+    selections); the attention reads it through :meth:`storage`, and a replayed CUDA graph step reports
+    its appended token through :meth:`advance_after_replay`.
+    """
 
     is_compileable = False
     is_sliding = False
@@ -61,13 +90,13 @@ class QAttnLayer(CacheLayerMixin):
         self.precision = precision
         self.max_len = max_len
         self.center_sample = center_sample
-        self.length = 0
-        self.capacity = 0
-        self.kq = self.ks = self.vq = self.vs = self.k_bar = self.v_bar = None
-        self.device_length = None  # static storage: the token count as a (1,) int32 tensor on the device
+        self._length = 0
+        self._capacity = 0
+        self._kq = self._ks = self._vq = self._vs = self._k_bar = self._v_bar = None
+        self._device_length = None  # static storage: the token count as a (1,) int32 tensor on the device
 
     def __repr__(self):
-        return f"QAttnLayer({self.precision}, tokens={self.length})"
+        return f"QAttnLayer({self.precision}, tokens={self._length})"
 
     # -- storage ----------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -79,99 +108,104 @@ class QAttnLayer(CacheLayerMixin):
             raise QAttnCacheError("QAttnCache supports head dims up to 256")
         if self.max_len is not None:
             self._allocate(self.max_len)
-            self.device_length = torch.zeros(1, device=self.device, dtype=torch.int32)
+            self._device_length = torch.zeros(1, device=self.device, dtype=torch.int32)
         self.is_initialized = True
 
     def _allocate(self, capacity: int) -> None:
         b, h, d, dev = self.batch_size, self.num_heads, self.head_dim, self.device
         width = reference.padded_head_dim(d) // 2 if self.precision == "int4" else d
-        old = (self.kq, self.ks, self.vq, self.vs)
-        self.kq = torch.zeros(b, h, capacity, width, device=dev, dtype=torch.int8)
-        self.ks = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
-        self.vq = torch.zeros(b, h, capacity, d, device=dev, dtype=torch.float8_e4m3fn)
-        self.vs = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
-        if old[0] is not None and self.length:
-            for new, prev in zip((self.kq, self.ks, self.vq, self.vs), old):
-                new[:, :, : self.length].copy_(prev[:, :, : self.length])
-        self.capacity = capacity
+        old = (self._kq, self._ks, self._vq, self._vs)
+        self._kq = torch.zeros(b, h, capacity, width, device=dev, dtype=torch.int8)
+        self._ks = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
+        self._vq = torch.zeros(b, h, capacity, d, device=dev, dtype=torch.float8_e4m3fn)
+        self._vs = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
+        if old[0] is not None and self._length:
+            for new, prev in zip((self._kq, self._ks, self._vq, self._vs), old):
+                new[:, :, : self._length].copy_(prev[:, :, : self._length])
+        self._capacity = capacity
 
     def _reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
+        if needed <= self._capacity:
             return
         if self.max_len is not None:
             raise QAttnCacheError(f"QAttnCache(static_max_len={self.max_len}) is full: {needed} tokens asked for")
-        capacity = max(needed, 2 * self.capacity, _MIN_CAPACITY)
+        capacity = max(needed, 2 * self._capacity, _MIN_CAPACITY)
         self._allocate(-(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[-2]
-        if self.k_bar is None:  # the first fill fixes the centers
-            self.k_bar, self.v_bar = reference.centers(key_states, value_states, self.center_sample)
-        self._reserve(self.length + n)
-        pos = self.length
+        if self._k_bar is None:  # the first fill fixes the centers
+            self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
+        self._reserve(self._length + n)
+        pos = self._length
         if _kernels_available(self.device):
             from ..kernels import decode_launch
 
             # static storage: the kernel reads the first slot from device memory (the same in every replay)
-            decode_launch.append(key_states, value_states, self.k_bar, self.v_bar, self.kq, self.ks, self.vq,
-                                 self.vs, pos if self.device_length is None else self.device_length,
+            decode_launch.append(key_states, value_states, self._k_bar, self._v_bar, self._kq, self._ks, self._vq,
+                                 self._vs, pos if self._device_length is None else self._device_length,
                                  int4=self.precision == "int4")
         else:
-            kq, ks, vq, vs = reference.quantize_tokens(key_states, value_states, self.k_bar, self.v_bar,
-                                                        self.precision)
-            self.kq[:, :, pos: pos + n] = kq
-            self.ks[:, :, pos: pos + n] = ks
-            self.vq[:, :, pos: pos + n] = vq
-            self.vs[:, :, pos: pos + n] = vs
-        self.length += n
-        if self.device_length is not None:
-            self.device_length.add_(n)
+            kq, ks, vq, vs = reference.quantize_tokens(key_states, value_states, self._k_bar, self._v_bar,
+                                                       self.precision)
+            self._kq[:, :, pos: pos + n] = kq
+            self._ks[:, :, pos: pos + n] = ks
+            self._vq[:, :, pos: pos + n] = vq
+            self._vs[:, :, pos: pos + n] = vs
+        self._length += n
+        if self._device_length is not None:
+            self._device_length.add_(n)
+
+    def advance_after_replay(self, tokens: int = 1) -> None:
+        """Count ``tokens`` appended by a replayed CUDA graph: the captured append already wrote them and
+        advanced the device count; only the host count, which the graph cannot touch, moves here."""
+        self._length += tokens
 
     # -- CacheLayerMixin ------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        first = self.length == 0
+        first = self._length == 0
         self._append(key_states, value_states)
         if first:
             return key_states, value_states
         return PackedKV(self, "keys"), PackedKV(self, "values")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self._length + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self._length
 
     def get_max_length(self) -> int:
         return self.max_len if self.max_len is not None else -1
 
     def reset(self) -> None:
-        self.length = 0
-        if self.device_length is not None:
-            self.device_length.zero_()
-        self.k_bar = self.v_bar = None
+        self._length = 0
+        if self._device_length is not None:
+            self._device_length.zero_()
+        self._k_bar = self._v_bar = None
         if self.max_len is None:
-            self.kq = self.ks = self.vq = self.vs = None
-            self.capacity = 0
+            self._kq = self._ks = self._vq = self._vs = None
+            self._capacity = 0
             self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
-        self.length = max(0, self.length + tokens_to_remove)
-        if self.device_length is not None:
-            self.device_length.fill_(self.length)
+        self._length = max(0, self._length + tokens_to_remove)
+        if self._device_length is not None:
+            self._device_length.fill_(self._length)
 
     def _select(self, index: torch.Tensor) -> None:
-        if self.kq is None:
+        if self._kq is None:
             return
         index = index.to(self.device)
-        for name in ("kq", "ks", "vq", "vs", "k_bar", "v_bar"):
+        for name in ("_kq", "_ks", "_vq", "_vs", "_k_bar", "_v_bar"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, index).contiguous())
-        self.batch_size = self.kq.shape[0]
+        self.batch_size = self._kq.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -180,7 +214,7 @@ class QAttnLayer(CacheLayerMixin):
         self._select(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.kq is not None:
+        if self._kq is not None:
             self._select(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def offload(self):
@@ -190,20 +224,25 @@ class QAttnLayer(CacheLayerMixin):
         pass
 
     # -- reading ------------------------------------------------------------------------------------
+    def storage(self) -> CacheStorage:
+        """The storage as a :class:`CacheStorage` view, for the attention over the cache (and benchmarks)."""
+        return CacheStorage(self.precision, self._kq, self._ks, self._vq, self._vs, self._k_bar, self._v_bar,
+                            self._length, self._capacity, self._device_length)
+
     def nbytes(self) -> int:
         """Bytes held for the cached tokens: quantized K and V, their scales, the centers."""
-        if self.kq is None:
+        if self._kq is None:
             return 0
-        per_token = self.kq.shape[-1] + self.vq.shape[-1] + 4 + 4  # K bytes, V bytes, δK, δV
-        centers = 2 * self.k_bar.numel() * 4 if self.k_bar is not None else 0
-        return self.batch_size * self.num_heads * self.length * per_token + centers
+        per_token = self._kq.shape[-1] + self._vq.shape[-1] + 4 + 4  # K bytes, V bytes, δK, δV
+        centers = 2 * self._k_bar.numel() * 4 if self._k_bar is not None else 0
+        return self.batch_size * self.num_heads * self._length * per_token + centers
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
-        n = self.length
-        k = reference.dequantize_k(self.kq[:, :, :n], self.ks[:, :, :n], self.head_dim, self.precision)
-        v = reference.dequantize_v(self.vq[:, :, :n], self.vs[:, :, :n])
-        return (k + self.k_bar[:, :, None]).to(self.dtype), (v + self.v_bar[:, :, None]).to(self.dtype)
+        n = self._length
+        k = reference.dequantize_k(self._kq[:, :, :n], self._ks[:, :, :n], self.head_dim, self.precision)
+        v = reference.dequantize_v(self._vq[:, :, :n], self._vs[:, :, :n])
+        return (k + self._k_bar[:, :, None]).to(self.dtype), (v + self._v_bar[:, :, None]).to(self.dtype)
 
 
 def _layer_nbytes(layer) -> int:

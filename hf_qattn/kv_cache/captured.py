@@ -52,7 +52,7 @@ class CapturedDecodeStep:
         if any(layer.max_len is None for layer in cache.layers):
             raise QAttnCacheError("CapturedDecodeStep needs QAttnCache(..., static_max_len=N): storage that "
                                   "never moves and a token count kept on the device")
-        if any(not layer.is_initialized or layer.length == 0 for layer in cache.layers):
+        if any(not layer.is_initialized or layer.get_seq_length() == 0 for layer in cache.layers):
             raise QAttnCacheError("run the prefill (model(ids, past_key_values=cache)) before CapturedDecodeStep")
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an int ≥ 1; got {warmup!r}")
@@ -60,13 +60,13 @@ class CapturedDecodeStep:
         self.model, self.cache, self._warmup = model, cache, warmup
         self.batch_size = first.batch_size
         self._ids = torch.zeros(self.batch_size, 1, device=first.device, dtype=torch.long)
-        self._position = torch.full((1,), first.length, device=first.device, dtype=torch.long)
+        self._position = torch.full((1,), first.get_seq_length(), device=first.device, dtype=torch.long)
         self._storage = self._storage_ptrs()
         self._graph = None
         self._logits = None
 
     def _storage_ptrs(self) -> tuple:
-        return tuple(layer.kq.data_ptr() for layer in self.cache.layers)
+        return tuple(layer.storage().kq.data_ptr() for layer in self.cache.layers)
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
@@ -83,15 +83,16 @@ class CapturedDecodeStep:
             raise ValueError(f"input_ids must have shape {tuple(self._ids.shape)} (batch, 1); "
                              f"got {tuple(input_ids.shape)}")
         layers = self.cache.layers
-        if layers[0].length + 1 > layers[0].capacity:
-            raise QAttnCacheError(f"QAttnCache(static_max_len={layers[0].capacity}) is full")
+        capacity = layers[0].storage().capacity
+        if layers[0].get_seq_length() + 1 > capacity:
+            raise QAttnCacheError(f"QAttnCache(static_max_len={capacity}) is full")
         if self._storage_ptrs() != self._storage:
             raise QAttnCacheError("the cache's storage moved (reorder/select of the batch): build a new "
                                   "CapturedDecodeStep")
         self._ids.copy_(input_ids)
         # the position from the cache's own count, every call (outside any capture): steps run on the cache
         # by other code in between keep the replayed step's positions right
-        self._position.fill_(layers[0].length)
+        self._position.fill_(layers[0].get_seq_length())
         if self._warmup > 0:  # eager: compiles and warms every kernel the captured step launches
             self._warmup -= 1
             return self._forward()
@@ -106,5 +107,5 @@ class CapturedDecodeStep:
             return self._logits
         self._graph.replay()
         for layer in layers:  # what the step's Python would have done
-            layer.length += 1
+            layer.advance_after_replay(1)
         return self._logits
