@@ -3,6 +3,8 @@
 One kernel, its roles one module each:
 
     gluon_api.py   every Gluon name used here, imported once (Gluon's API moves between releases)
+    params.py      the kernel's arguments in three aggregates: Config (constexpr), Problem (tensors, strides,
+                   sizes), Ring (the shared-memory stages and their barriers), passed to every role whole
     scheduler.py   which query rows a CTA owns and which key tiles it visits (shared by the roles)
     loader.py      the producer warp: K̂ / V̂ᵀ tiles through a multi-stage TMA ring of mbarriers
     mainloop.py    the consumer warpgroups: Q quantized in registers, INT8 Q·Kᵀ wgmma, online

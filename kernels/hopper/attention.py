@@ -17,6 +17,7 @@ from .epilogue import store_output
 from .gluon_api import gl, gluon, mbarrier
 from .loader import load_kv
 from .mainloop import attend, quantize_q
+from .params import Config, Problem, Ring
 from .scheduler import item_range, key_tiles, work_item
 
 CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgroups × 232 + 1 loader warp × 24
@@ -25,68 +26,44 @@ BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroup
 
 
 @gluon.jit
-def consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem, k_smem, v_smem,
-                 ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh,
-                 stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, sm_scale,
-                 WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
-                 K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
-                 SPLIT: gl.constexpr, PV_TILES: gl.constexpr):
+def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
     position after it (``base`` + its key tiles)."""
     BM: gl.constexpr = 64
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 32])
+                                                        instr_shape=[16, cfg.BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D_PAD, 32])
-    m_block, bhq = work_item(t, NQ, BLOCK_M, CAUSAL)
-    b = bhq // HQ
-    h = bhq % HQ
-    bhk = b * (HQ // GROUPS) + h // GROUPS
-    end = key_tiles(KV_END, b, m_block, NQ, NK, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_RANGE)
-    if K_TOKEN_SCALE:
-        KS_bh = KS + bhk.to(gl.int64) * NK_PAD
+                                                       instr_shape=[16, cfg.D_PAD, 32])
+    m_block, bhq = work_item(t, prob, cfg)
+    b = bhq // prob.HQ
+    h = bhq % prob.HQ
+    bhk = b * (prob.HQ // prob.GROUPS) + h // prob.GROUPS
+    end = key_tiles(prob, cfg, b, m_block)
+    if cfg.K_TOKEN_SCALE:
+        KS_bh = prob.KS + bhk.to(gl.int64) * prob.NK_PAD
     else:
-        KS_bh = KS + bhk.to(gl.int64) * NUM_TILES
-    cta_row0 = m_block * BLOCK_M
+        KS_bh = prob.KS + bhk.to(gl.int64) * prob.NUM_TILES
+    cta_row0 = m_block * cfg.BLOCK_M
     row0 = cta_row0 + WARPGROUP * BM
-    q_coef, q_split = quantize_q(Q, Q_BAR, q_smem, b, h, bhq, SPLIT_CHANNEL + bhk, row0, stride_qb, stride_qh,
-                                 stride_qn, stride_qd, NQ, score_coef, HEAD_DIM, D_PAD, BM, QK_MAX, SPLIT, qk_layout)
-    acc, l_i, m_i = attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty,
-                           KS_bh, base, end, cta_row0, row0, NQ, NK, WARPGROUP, BM, BLOCK_N, D_PAD, STAGES, CAUSAL,
-                           K_TOKEN_SCALE, P_LOG2, SPLIT, PV_TILES, qk_layout, o_layout)
-    store_output(acc, l_i, m_i, O, LSE, Q, K_BAR, V_BAR, V_SCALE, b, h, bhq, bhk, row0, NQ, sm_scale,
-                 stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-                 HEAD_DIM, D_PAD, BM, P_LOG2, RETURN_LSE, o_layout)
+    q_coef, q_split = quantize_q(prob, cfg, q_smem, b, h, bhq, prob.SPLIT_CHANNEL + bhk, row0, BM, qk_layout)
+    acc, l_i, m_i = attend(cfg, ring, q_smem, q_coef, q_split, o_smem, m_smem, KS_bh, base, end, cta_row0, row0,
+                           prob.NQ, prob.NK, BM, qk_layout, o_layout)
+    store_output(prob, cfg, acc, l_i, m_i, b, h, bhq, bhk, row0, BM, o_layout)
     return base + end
 
 
 @gluon.jit
-def consumer(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem, kc_smem,
-             o_all, m_all, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-             HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
-             WARPGROUP: gl.constexpr, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr,
-             K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr,
-             PERSISTENT: gl.constexpr, SPLIT: gl.constexpr, PV_TILES: gl.constexpr):
+def consumer(cfg, prob, ring, q_all, o_all, m_all, WARPGROUP: gl.constexpr):
     q_smem = q_all.index(WARPGROUP)
     o_smem = o_all.index(WARPGROUP)
     m_smem = m_all.index(WARPGROUP)
-    if PERSISTENT:
-        first, step = item_range(NUM_ITEMS, PERSISTENT)
+    if cfg.PERSISTENT:
+        first, step = item_range(prob.NUM_ITEMS, cfg.PERSISTENT)
         base = 0  # the ring's tiles consumed before this item (the loader counts alike)
-        for t in range(first, NUM_ITEMS, step):
-            base = consume_item(t, base, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem, k_smem,
-                                v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn,
-                                stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
-                                NUM_TILES, score_coef, sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES,
-                                QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2, RETURN_LSE, SPLIT, PV_TILES)
+        for t in range(first, prob.NUM_ITEMS, step):
+            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP)
     else:
-        consume_item(gl.program_id(0), 0, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_smem,
-                     k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd,
-                     stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
-                     sm_scale, WARPGROUP, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE,
-                     K_TOKEN_SCALE, P_LOG2, RETURN_LSE, SPLIT, PV_TILES)
+        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP)
 
 
 @gluon.jit
@@ -99,6 +76,12 @@ def attention_kernel(
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr,
 ):
+    # the launch binds the arguments by name; the roles get them in three groups (params.py)
+    cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
+                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES)
+    prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
+                   stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
+                   NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale)
     q_all = gl.allocate_shared_memory(gl.int8, [2, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.int8))
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
@@ -114,19 +97,10 @@ def attention_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+    ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty)
 
     gl.warp_specialize([
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem,
-                    kc_smem, o_all, m_all, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
-                    stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
-                    0, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                    RETURN_LSE, PERSISTENT, SPLIT, PV_TILES)),
-        (consumer, (Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, q_all, k_smem, v_smem, ds_smem,
-                    kc_smem, o_all, m_all, kv_ready, kv_empty, stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on,
-                    stride_od, HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, score_coef, sm_scale,
-                    1, HEAD_DIM, D_PAD, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                    RETURN_LSE, PERSISTENT, SPLIT, PV_TILES)),
-        (load_kv, (k_desc, vt_desc, ds_desc, k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, KV_END,
-                   HQ, GROUPS, NQ, NK, NK_PAD, NUM_ITEMS, KC_ROW0, BLOCK_M, BLOCK_N, D_PAD, STAGES, CAUSAL, HAS_KV_RANGE,
-                   PERSISTENT, SPLIT)),
+        (consumer, (cfg, prob, ring, q_all, o_all, m_all, 0)),
+        (consumer, (cfg, prob, ring, q_all, o_all, m_all, 1)),
+        (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -23,6 +23,12 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # a class whose fields travel through jit calls and warp_specialize as one value: ``gluon.aggregate``
+    # where Gluon exports it, else the same decorator from triton.language
+    aggregate = getattr(gluon, "aggregate", None)
+    if aggregate is None:
+        from triton.language.core import _aggregate as aggregate
+
     # the TMA tile load: ``async_load`` from 3.9 on, ``async_copy_global_to_shared`` before
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # a barrier across the calling partition's warps: ``thread_barrier`` up to 3.6, ``barrier`` from 3.9
@@ -31,8 +37,8 @@ try:
 except (ImportError, AttributeError) as error:  # no triton, or a triton without this Gluon
     _IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["gluon", "gl", "fence_async_shared", "mbarrier", "tma", "tma_load", "partition_barrier", "warpgroup_mma",
-           "warpgroup_mma_wait", "TensorDescriptor", "missing"]
+__all__ = ["gluon", "gl", "aggregate", "fence_async_shared", "mbarrier", "tma", "tma_load", "partition_barrier",
+           "warpgroup_mma", "warpgroup_mma_wait", "TensorDescriptor", "missing"]
 
 
 @functools.lru_cache(maxsize=None)

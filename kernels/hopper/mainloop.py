@@ -34,22 +34,20 @@ _ROUND_MAGIC = gl.constexpr(formats.ROUND_MAGIC)
 
 
 @gluon.jit
-def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, split_ptr, row0, stride_qb, stride_qh, stride_qn, stride_qd, NQ,
-               score_coef, HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BM: gl.constexpr, QK_MAX: gl.constexpr,
-               SPLIT: gl.constexpr, qk_layout: gl.constexpr):
+def quantize_q(prob, cfg, q_smem, b, h, bhq, split_ptr, row0, BM: gl.constexpr, qk_layout: gl.constexpr):
     """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e
     and, with SPLIT, its part of the split channel's score term, (q_c − q̄_c)·sm_scale·log2 e (c from
     ``split_ptr``; 0 when it is −1)."""
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
-    cols = gl.arange(0, D_PAD, layout=gl.SliceLayout(0, blocked))
-    inside = (rows < NQ)[:, None] & (cols < HEAD_DIM)[None, :]
-    base = Q + b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
-    q = gl.load(base + rows.to(gl.int64)[:, None] * stride_qn + cols[None, :] * stride_qd, mask=inside,
+    cols = gl.arange(0, cfg.D_PAD, layout=gl.SliceLayout(0, blocked))
+    inside = (rows < prob.NQ)[:, None] & (cols < cfg.HEAD_DIM)[None, :]
+    base = prob.Q + b.to(gl.int64) * prob.stride_qb + h.to(gl.int64) * prob.stride_qh
+    q = gl.load(base + rows.to(gl.int64)[:, None] * prob.stride_qn + cols[None, :] * prob.stride_qd, mask=inside,
                 other=0.0).to(gl.float32)
-    q_bar = gl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    q_bar = gl.load(prob.Q_BAR + bhq * cfg.HEAD_DIM + cols, mask=cols < cfg.HEAD_DIM, other=0.0)
     qs = gl.where(inside, q - q_bar[None, :], 0.0)
-    q_scale = gl.maximum(gl.max(gl.abs(qs), axis=1), 1e-30) / QK_MAX
+    q_scale = gl.maximum(gl.max(gl.abs(qs), axis=1), 1e-30) / cfg.QK_MAX
     q_inv = gl.div_rn(gl.full([BM], 1.0, gl.float32, layout=gl.SliceLayout(1, blocked)), q_scale)  # see common.reciprocal
     qs_b, q_inv_b = gl.broadcast(qs, q_inv[:, None])
     # mul.rn: a product of its own, not fused into the rounding add (the reference rounds it first)
@@ -57,25 +55,25 @@ def quantize_q(Q, Q_BAR, q_smem, b, h, bhq, split_ptr, row0, stride_qb, stride_q
                                        is_pure=True, pack=1)
     r = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
     # shared memory, not registers: 16 registers held all loop long spilled the main loop
-    q_smem.store(gl.minimum(gl.maximum(r, -QK_MAX), QK_MAX).to(gl.int8))
+    q_smem.store(gl.minimum(gl.maximum(r, -cfg.QK_MAX), cfg.QK_MAX).to(gl.int8))
     fence_async_shared()
     partition_barrier()  # the warpgroup's four warps wrote one operand
     # max and clamp drop NaN: a row holding NaN/Inf gets a NaN coefficient, so its output is NaN (as SDPA's)
     row_sum = gl.sum(qs, axis=1)
     finite = (row_sum == row_sum) & (gl.abs(row_sum) < float("inf"))
-    q_coef = gl.where(finite, q_scale * score_coef, float("nan"))
+    q_coef = gl.where(finite, q_scale * prob.score_coef, float("nan"))
     q_split = q_coef
-    if SPLIT:
-        q_split = gl.sum(gl.where((cols == gl.load(split_ptr))[None, :], qs, 0.0), axis=1) * score_coef
+    if cfg.SPLIT:
+        q_split = gl.sum(gl.where((cols == gl.load(split_ptr))[None, :], qs, 0.0), axis=1) * prob.score_coef
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
     return gl.convert_layout(q_coef, row), gl.convert_layout(q_split, row)
 
 
 @gluon.jit
-def _k_scale(KS_bh, tile, BLOCK_N: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, col: gl.constexpr):
+def _k_scale(cfg, KS_bh, tile, col: gl.constexpr):
     """δK of the tile: its one scale (a scalar, loaded before the Q·Kᵀ wait hides its latency), or per token."""
-    if K_TOKEN_SCALE:
-        return gl.load(KS_bh + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col))
+    if cfg.K_TOKEN_SCALE:
+        return gl.load(KS_bh + tile * cfg.BLOCK_N + gl.arange(0, cfg.BLOCK_N, layout=col))
     else:
         return gl.load(KS_bh + tile)
 
@@ -87,27 +85,27 @@ def _scaling_max(m):
 
 
 @gluon.jit
-def _softmax(qk, q_coef, q_split, ds, kc_tile, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
-             BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
-             P_LOG2: gl.constexpr, SPLIT: gl.constexpr, qk_layout: gl.constexpr):
+def _softmax(cfg, qk, q_coef, q_split, ds, kc_tile, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
+             BM: gl.constexpr, qk_layout: gl.constexpr):
     """One tile of the online softmax in base 2; P comes out at the FP8 scale (×448)."""
-    if K_TOKEN_SCALE:
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    if cfg.K_TOKEN_SCALE:
         s = qk.to(gl.float32) * (q_coef[:, None] * k_scale[None, :]) + ds[None, :]
     else:
         s = qk.to(gl.float32) * (q_coef * k_scale)[:, None] + ds[None, :]
-    if SPLIT:  # the rank-one term of K's split channel (kc and q_split are 0 for kv heads without one)
+    if cfg.SPLIT:  # the rank-one term of K's split channel (kc and q_split are 0 for kv heads without one)
         s += q_split[:, None] * kc_tile.load(gl.SliceLayout(0, qk_layout))[None, :]
     # keys outside [kv_start, kv_end) and padding keys already hold ΔS = −inf (the K/V pass wrote it);
     # only the causal diagonal is masked here, in the few tiles that cross it
     start = tile * BLOCK_N
-    if CAUSAL:
+    if cfg.CAUSAL:
         if start + BLOCK_N > first_row + (NK - NQ) + 1:
             offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
             offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))
             s = gl.where(offs_n[None, :] <= offs_m[:, None] + (NK - NQ), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_use = _scaling_max(m_new)
-    p = gl.exp2(s - (m_use - P_LOG2)[:, None])
+    p = gl.exp2(s - (m_use - cfg.P_LOG2)[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
@@ -137,32 +135,31 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_smem, kv_ready, kv_empty, KS_bh, base, end,
-           first_row, row0, NQ, NK, WARPGROUP: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, D_PAD: gl.constexpr,
-           STAGES: gl.constexpr, CAUSAL: gl.constexpr, K_TOKEN_SCALE: gl.constexpr, P_LOG2: gl.constexpr,
-           SPLIT: gl.constexpr, PV_TILES: gl.constexpr, qk_layout: gl.constexpr,
-           o_layout: gl.constexpr):
+def attend(cfg, ring, q_smem, q_coef, q_split, o_smem, m_smem, KS_bh, base, end, first_row, row0, NQ, NK,
+           BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """The main loop over key tiles [0, end): returns (O unnormalized, l, m). ``base`` counts the ring's
     tiles before this work item (the ring runs on across a persistent CTA's items): tile i sits in
     stage (base + i) % STAGES.
     """
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    STAGES: gl.constexpr = cfg.STAGES
+    PV_TILES: gl.constexpr = cfg.PV_TILES
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
     col: gl.constexpr = gl.SliceLayout(0, qk_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row)
     l_i = gl.full([BM], 0.0, gl.float32, layout=row)
-    acc = gl.zeros([BM, D_PAD], gl.float32, layout=o_layout)  # the wgmma accumulator: ≤ PV_TILES tiles
+    acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)  # the wgmma accumulator: ≤ PV_TILES tiles
     qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
     if end > 0:
-        k_scale = _k_scale(KS_bh, 0, BLOCK_N, K_TOKEN_SCALE, col)
+        k_scale = _k_scale(cfg, KS_bh, 0, col)
         s0 = base % STAGES
-        mbarrier.wait(kv_ready.index(s0), (base // STAGES) & 1)
-        ds = ds_smem.index(s0).load(col)  # ΔS of the tile's keys, brought by the loader
-        qk = warpgroup_mma(q_smem, k_smem.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        mbarrier.wait(ring.ready.index(s0), (base // STAGES) & 1)
+        ds = ring.ds.index(s0).load(col)  # ΔS of the tile's keys, brought by the loader
+        qk = warpgroup_mma(q_smem, ring.k.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        p, alpha, m_i, l_i = _softmax(qk, q_coef, q_split, ds, kc_smem.index(s0), k_scale, m_i, l_i, 0,
-                                      first_row, row0, NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2, SPLIT,
-                                      qk_layout)
+        p, alpha, m_i, l_i = _softmax(cfg, qk, q_coef, q_split, ds, ring.kc.index(s0), k_scale, m_i, l_i, 0,
+                                      first_row, row0, NQ, NK, BM, qk_layout)
         # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
         # into bytes by the lowering (about 200 extra instructions a tile).
         for i in range(end - 1):
@@ -173,25 +170,24 @@ def attend(q_smem, q_coef, q_split, k_smem, v_smem, ds_smem, kc_smem, o_smem, m_
             if (i % PV_TILES == 0) & (i > 0):
                 o_smem.store(_flushed(o_smem, m_smem, acc, m_i, i == PV_TILES, o_layout))
                 m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
-                acc = gl.zeros([BM, D_PAD], gl.float32, layout=o_layout)
+                acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
             p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-            k_scale = _k_scale(KS_bh, i + 1, BLOCK_N, K_TOKEN_SCALE, col)
-            mbarrier.wait(kv_ready.index(s1), ((base + i + 1) // STAGES) & 1)
-            qk = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+            k_scale = _k_scale(cfg, KS_bh, i + 1, col)
+            mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
+            qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-            ds = ds_smem.index(s1).load(col)
-            p, alpha, m_i, l_i = _softmax(qk, q_coef, q_split, ds, kc_smem.index(s1), k_scale, m_i, l_i,
-                                          i + 1, first_row, row0, NQ, NK, BM, BLOCK_N, CAUSAL, K_TOKEN_SCALE, P_LOG2,
-                                          SPLIT, qk_layout)
+            ds = ring.ds.index(s1).load(col)
+            p, alpha, m_i, l_i = _softmax(cfg, qk, q_coef, q_split, ds, ring.kc.index(s1), k_scale, m_i, l_i,
+                                          i + 1, first_row, row0, NQ, NK, BM, qk_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(s), count=1)
+            mbarrier.arrive(ring.empty.index(s), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         s = (base + end - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-        acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        mbarrier.arrive(ring.empty.index(s), count=1)
         if end > PV_TILES + 1:  # a flush happened (at tile PV_TILES < end − 1)
             acc = _flushed(o_smem, m_smem, acc, m_i, False, o_layout)
     return acc, l_i, m_i

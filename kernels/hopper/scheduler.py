@@ -25,18 +25,17 @@ def item_range(NUM_ITEMS, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def work_item(t, NQ, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+def work_item(t, prob, cfg):
     """(query block index, b·Hq + h) of item ``t``."""
-    num_m = gl.cdiv(NQ, BLOCK_M)
+    num_m = gl.cdiv(prob.NQ, cfg.BLOCK_M)
     m_block = t % num_m
-    if CAUSAL:
+    if cfg.CAUSAL:
         m_block = num_m - 1 - m_block  # longest first
     return m_block, t // num_m
 
 
 @gluon.jit
-def key_tiles(KV_END, b, m_block, NQ, NK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              HAS_KV_RANGE: gl.constexpr):
+def key_tiles(prob, cfg, b, m_block):
     """How many key tiles, from key 0, the CTA of query block ``m_block`` in batch ``b`` visits.
 
     Keys left of kv_start are not skipped: their ΔS is −inf (the K/V pass wrote it), so they
@@ -44,10 +43,10 @@ def key_tiles(KV_END, b, m_block, NQ, NK, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     register allocator needs (a loaded start spilled 700 bytes a thread); left padding rarely
     spans more than a tile or two.
     """
-    hi = NK
-    if HAS_KV_RANGE:
-        hi = gl.load(KV_END + b)
-    if CAUSAL:
-        last_row = gl.minimum(m_block * BLOCK_M + BLOCK_M, NQ) - 1
-        hi = gl.minimum(hi, last_row + (NK - NQ) + 1)
-    return gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    hi = prob.NK
+    if cfg.HAS_KV_RANGE:
+        hi = gl.load(prob.KV_END + b)
+    if cfg.CAUSAL:
+        last_row = gl.minimum(m_block * cfg.BLOCK_M + cfg.BLOCK_M, prob.NQ) - 1
+        hi = gl.minimum(hi, last_row + (prob.NK - prob.NQ) + 1)
+    return gl.cdiv(gl.maximum(hi, 0), cfg.BLOCK_N)
