@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 from pathlib import Path
 
 from ..plan import check_ratio
@@ -71,9 +71,16 @@ def read_text_lines(path: Path, limit: int | None = None) -> list[str]:
     return scan_text_lines(path, limit)[0]
 
 
-def check_out_dir(path, option: str = "--out") -> None:
-    """Fail now, before any model loads, if ``path`` cannot become an output folder."""
+def check_out_dir(path, option: str = "--out", *, source=None, source_name: str = "MODEL_DIR") -> None:
+    """Fail now, before any model loads, if ``path`` cannot become an output folder: it is a file, a
+    file is in its way, it cannot be created or written into (tried for real: the folders it needs are
+    created and a probe file written, then both removed, so /proc, read-only mounts and permissions all
+    show here, not after the long work), or it is ``source`` (the input folder, which the command would
+    overwrite in place)."""
     path = Path(path)
+    if source is not None and path.resolve() == Path(source).resolve():
+        raise CLIError(f"{option}: {path} is {source_name} itself, which would be overwritten in place; "
+                       "give a new or other folder")
     if path.exists() and not path.is_dir():
         raise CLIError(f"{option}: {path} exists and is not a folder")
     parent = path
@@ -81,5 +88,18 @@ def check_out_dir(path, option: str = "--out") -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise CLIError(f"{option}: cannot create {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CLIError(f"{option}: cannot write into {parent}")
+    created = [folder for folder in (path, *path.parents) if not folder.exists()]
+    action = "create"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        action = "write into"
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise CLIError(f"{option}: cannot {action} {path}: {error.strerror or error}") from None
+    finally:
+        for folder in created:  # innermost first; only the folders made here, and only while still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -89,7 +89,7 @@ def run_calibrate_pipeline(args: argparse.Namespace) -> int:
         raise CLIError(f"PIPELINE_DIR: {args.pipeline_dir} is not a diffusers pipeline folder (no model_index.json; "
                        "save one with pipe.save_pretrained)")
     prompts = read_prompts(args.prompts)
-    check_out_dir(args.out)
+    check_out_dir(args.out, source=None if args.no_save_pipeline else args.pipeline_dir, source_name="PIPELINE_DIR")
 
     import torch
 

