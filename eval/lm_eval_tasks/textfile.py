@@ -62,6 +62,12 @@ def select(documents: list[str], docs=0) -> list[str]:
 
 def load_documents(text_file: str | None = None, split: str = "wikitext", docs=0) -> list[str]:
     path = text_file or default_text_file()
+    if not os.path.isfile(path):
+        where = ("the metadata's text_file" if text_file else
+                 "the default, WikiText-2 test from $HF_QATTN_WIKITEXT2" if os.environ.get("HF_QATTN_WIKITEXT2") else
+                 "the default, WikiText-2 test from the shared data beside the repository")
+        raise FileNotFoundError(f"no text file at {path} ({where}); point the task at a plain-text file with "
+                                "--metadata '{\"text_file\": \"FILE\"}'")
     with open(path, encoding="utf-8") as f:
         return select(split_documents(f.read(), split), docs)
 

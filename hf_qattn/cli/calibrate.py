@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from .args import CLIError, check_out_dir, positive_int, ratio, scan_text_lines
-from .common import default_device, model_class, quiet_transformers, format_table, save_plot, score_rows
+from .common import (default_device, first_line, format_table, load_config, load_model, load_tokenizer,
+                     model_class, quiet_transformers, save_plot, score_rows)
 
 
 def _add_calibrate(subparsers) -> None:
@@ -32,13 +33,22 @@ def _add_calibrate(subparsers) -> None:
     parser.set_defaults(func=run_calibrate)
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+def _drop_invalid_plan(config, model_dir: Path) -> None:
+    """Calibration writes a new plan: one already in the config that does not validate is dropped, with
+    a note, instead of failing the run (a model that runs qattn refuses a malformed plan)."""
+    from ..integrations.transformers.attention import plan_from_config
+    from ..plan import PLAN_CONFIG_KEY, PlanError
+
+    try:
+        plan_from_config(config)
+    except PlanError as error:
+        delattr(config, PLAN_CONFIG_KEY)
+        print(f"note: {model_dir / 'config.json'} held an invalid {PLAN_CONFIG_KEY} ({first_line(error)}); "
+              "calibration replaces it")
 
 
 def run_calibrate(args) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from ..integrations.transformers.calibration import calibrate
 
@@ -47,19 +57,15 @@ def run_calibrate(args) -> int:
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"MODEL_DIR {model_dir} is not a transformers model folder (no config.json)")
     texts, skipped = scan_text_lines(args.text, args.max_samples)
-    check_out_dir(args.out)
+    check_out_dir(args.out, source=model_dir)
     print(f"{len(texts)} input line(s) from {args.text}" + (
         "; skipped " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else ""))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as error:  # noqa: BLE001 - any loading failure means the same thing here
-        raise CLIError(f"MODEL_DIR {model_dir} has no loadable tokenizer, which --text needs ({_first_line(error)})") from None
+    config = load_config(model_dir)
+    tokenizer = load_tokenizer(model_dir, "--text")
+    _drop_invalid_plan(config, model_dir)
     device = default_device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    try:
-        model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype).to(device)
-    except (OSError, ValueError) as error:
-        raise CLIError(f"MODEL_DIR {model_dir}: the model does not load: {_first_line(error)}") from None
+    model = load_model(model_class(model_dir, config), model_dir, config=config, dtype=dtype).to(device)
     result = calibrate(model, texts, args.ratio, tokenizer=tokenizer, batch_size=args.batch_size,
                        max_length=args.max_length, progress=not args.no_progress, objective=args.objective)
 

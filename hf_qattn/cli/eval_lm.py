@@ -21,6 +21,7 @@ import platform
 from pathlib import Path
 
 from .args import CLIError, check_out_dir, positive_int
+from .common import first_line
 
 MODES = ("sdpa", "int8", "int4", "plan")
 
@@ -51,24 +52,67 @@ def add_eval_lm_parser(subparsers) -> None:
     parser.add_argument("--metadata", default=None, help="JSON passed to the tasks (e.g. '{\"text_file\": \"F\"}')")
     parser.add_argument("--limit", type=positive_int, default=None, help="documents per task at most")
     parser.add_argument("--max-length", type=positive_int, default=None, help="model context for lm-eval's windows")
-    parser.add_argument("--batch-size", type=positive_int, default=1)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--batch-size", type=positive_int, default=1,
+                        help="lm-eval's batch size: requests scored per forward pass (default 1)")
+    parser.add_argument("--seed", type=int, default=1234,
+                        help="lm-eval's random, NumPy, torch and few-shot seeds, the same for every mode "
+                             "(default 1234)")
     parser.set_defaults(func=run_eval_lm)
 
 
 def _load_plan(args, config):
-    from ..plan import PLAN_CONFIG_KEY, PlanError, QAttnPlan
+    """The plan mode 'plan' runs, checked against the model's layer count before the weights load."""
+    import copy
+
+    from ..integrations.transformers.attention import plan_from_config
+    from ..plan import PLAN_CONFIG_KEY, PlanError
 
     if args.plan is not None:
+        source = f"--plan {args.plan}"
         try:
-            return QAttnPlan.from_dict(json.loads(args.plan.read_text(encoding="utf-8")))
-        except (OSError, UnicodeDecodeError, ValueError, PlanError) as error:
-            raise CLIError(f"--plan {args.plan}: {error}") from None
-    data = getattr(config, PLAN_CONFIG_KEY, None)
-    if data is None:
-        raise CLIError(f"mode 'plan' needs a plan: {args.model_dir} has no '{PLAN_CONFIG_KEY}' in its config "
-                       "(run hf-qattn calibrate first) and no --plan was given")
-    return data if isinstance(data, QAttnPlan) else QAttnPlan.from_dict(data)
+            data = json.loads(args.plan.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise CLIError(f"{source}: {error}") from None
+        hint = "write one with hf-qattn calibrate, or hf_qattn.QAttnPlan(...).to_dict()"
+    else:
+        data = getattr(config, PLAN_CONFIG_KEY, None)
+        if data is None:
+            raise CLIError(f"mode 'plan' needs a plan: {args.model_dir} has no '{PLAN_CONFIG_KEY}' in its config "
+                           "(run hf-qattn calibrate first) and no --plan was given")
+        source = f"MODEL_DIR {args.model_dir}: config.json's {PLAN_CONFIG_KEY}"
+        hint = "re-run hf-qattn calibrate, or pass --plan FILE"
+    probe = copy.copy(config)
+    setattr(probe, PLAN_CONFIG_KEY, data)
+    try:
+        return plan_from_config(probe)
+    except PlanError as error:
+        raise CLIError(f"{source} is invalid: {error} ({hint})") from None
+
+
+def _check_tasks(tasks: list[str], manager, option_text: str) -> None:
+    """Build the tasks once before the model loads, so an unknown name or a task whose data is missing
+    (wikitext2_local without its text file) fails now, in one line, not after the weights load."""
+    import logging
+
+    def build(names, manager):  # what simple_evaluate calls: TaskManager.load, or get_task_dict in older lm-eval
+        if hasattr(manager, "load"):
+            return manager.load(names)
+        from lm_eval.tasks import get_task_dict
+
+        return get_task_dict(names, manager)
+
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its notes on building the tasks come again when the first mode runs
+    try:
+        build(tasks, manager)
+    except Exception as error:  # noqa: BLE001 - lm-eval raises KeyError, ValueError, OSError, ...
+        message = error.args[0] if isinstance(error, KeyError) and error.args else first_line(error)
+        hint = ("; lm_eval ls tasks lists lm-eval's own, and local task YAMLs need --include-path "
+                "(e.g. eval/lm_eval_tasks)" if isinstance(error, KeyError) else "")
+        raise CLIError(f"--tasks {option_text}: {message}{hint}") from None
+    finally:
+        logger.setLevel(level)
 
 
 def _labels(modes: list[str]) -> list[str]:
@@ -131,32 +175,38 @@ def run_eval_lm(args) -> int:
         raise CLIError(f"eval-lm needs lm-eval ({error}): pip install lm-eval") from None
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .. import __version__, fallback_stats, reset_fallback_stats
-    from .common import default_device, quiet_transformers
+    from .common import default_device, load_config, load_model, load_tokenizer, quiet_transformers
 
-    if not (args.model_dir / "config.json").is_file():
-        raise CLIError(f"MODEL_DIR {args.model_dir} is not a transformers model folder (no config.json)")
     if args.include_path is not None and not args.include_path.is_dir():
         raise CLIError(f"--include-path {args.include_path} is not a folder")
+    if args.plan is not None and "plan" not in args.modes:
+        raise CLIError(f"--plan {args.plan}: only mode 'plan' uses it, and --modes {','.join(args.modes)} has none")
     metadata = None
     if args.metadata is not None:
         try:
             metadata = json.loads(args.metadata)
         except ValueError as error:
             raise CLIError(f"--metadata is not JSON: {error}") from None
+        if not isinstance(metadata, dict):
+            raise CLIError(f"--metadata must be a JSON object, e.g. '{{\"text_file\": \"F\"}}'; got {args.metadata!r}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise CLIError(f"--tasks: no task name in {args.tasks!r}")
     check_out_dir(args.out)
     quiet_transformers()
-    # the plan is checked on the config alone, before the weights load
-    plan = _load_plan(args, AutoConfig.from_pretrained(args.model_dir)) if "plan" in args.modes else None
+    # everything that can be checked without the weights is, before they load: config, plan, tasks, tokenizer
+    config = load_config(args.model_dir)
+    plan = _load_plan(args, config) if "plan" in args.modes else None
+    manager = TaskManager(include_path=str(args.include_path) if args.include_path else None, metadata=metadata)
+    _check_tasks(tasks, manager, args.tasks)
+    tokenizer = load_tokenizer(args.model_dir, "lm-eval")
     device = default_device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = load_model(AutoModelForCausalLM, args.model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
     model.eval()
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=str(args.include_path) if args.include_path else None, metadata=metadata)
     labels = _labels(args.modes)
     results, stats = {}, {}
     for mode, label in zip(args.modes, labels):

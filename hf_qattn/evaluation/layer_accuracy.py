@@ -100,9 +100,14 @@ def per_layer_table(title: str, note: str, results: dict) -> str:
 
 
 def text_windows(tokenizer, text_path: str, windows: int, tokens: int, words_per_window: int) -> list[dict]:
-    """``windows`` consecutive stretches of ``words_per_window`` words of the file, tokenized to ≤ ``tokens``."""
+    """``windows`` consecutive stretches of ``words_per_window`` words of the file, tokenized to ≤ ``tokens``.
+    ValueError when the file has fewer than ``windows × words_per_window`` words (a window would be cut
+    short or empty: an empty one has no tokens to run)."""
     with open(text_path, encoding="utf-8") as f:
         words = f.read().split()
+    if len(words) < windows * words_per_window:
+        raise ValueError(f"{text_path} holds {len(words)} words; {windows} windows of {words_per_window} words "
+                         f"need {windows * words_per_window}")
     batches = []
     for window in range(windows):
         text = " ".join(words[window * words_per_window:(window + 1) * words_per_window])
