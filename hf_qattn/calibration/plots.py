@@ -49,6 +49,12 @@ def _layer_figure(result, title: str, ylabel: str, draw, marker: str, legend_loc
     ax = figure.subplots()
     draw(ax, layers, means, worst, colors)
     ax.scatter(layers, worst, marker="_", s=160, color="black", zorder=3)
+    if len(layers) <= 32:  # layers are integers: a tick on each (matplotlib's default put 0.5 between two)
+        ax.set_xticks(layers)
+    else:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=10)
