@@ -15,9 +15,10 @@ model construction — ``from_pretrained``, ``from_config``, a plain constructor
 ``config.qattn_plan`` when present (version, precisions, layer indices against
 ``num_hidden_layers``). A model that uses qattn raises :class:`hf_qattn.PlanError` there, at load,
 never at the first forward; any other model (``"sdpa"``, ``"eager"``, ...) never reads the plan,
-so it loads with a warning, once per message. ``set_attn_implementation("qattn")`` checks the plan
-again and raises. The hook also numbers the attention modules of models that have no
-``layer_idx`` (ViT, ...). The plan is applied whenever the model runs with ``attn_implementation="qattn"``.
+so it loads with a warning, once per plan error (not once per nested model class).
+``set_attn_implementation("qattn")`` checks the plan again and raises. The hook also numbers the
+attention modules of models that have no ``layer_idx`` (ViT, ...). The plan is applied whenever the
+model runs with ``attn_implementation="qattn"``.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def check_plan(model, *, strict: bool) -> None:
         message = f"{type(model).__name__}: config.{PLAN_CONFIG_KEY} is invalid: {error}"
         if strict:
             raise PlanError(message) from None
-        if message not in _warned:
-            _warned.add(message)
+        # once per plan error, not per model class: LlamaForCausalLM and the LlamaModel inside it share the
+        # config, and each runs post_init (the inner one first, so the warning names it)
+        if str(error) not in _warned:
+            _warned.add(str(error))
             warnings.warn(f"hf_qattn: {message} (ignored: this model does not run qattn attention; it would "
                           "fail with attn_implementation='qattn')", RuntimeWarning, stacklevel=4)
         return
