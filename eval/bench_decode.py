@@ -17,8 +17,8 @@ Times are medians of CUDA-event-timed batches of calls after warm-up; GB/s is th
 each reads (scales included) over its time.
 
 ``--sweep`` adds a table of decode launch configurations (BLOCK_N, num_warps, num_stages, waves of
-programs per SM for the split count, fused vs two-kernel split combine) at B8 L16k and L64k, INT8
-and INT4 K, and names the fastest per precision, to pick the defaults from one GPU run.
+programs per SM for the split count) at B8 L16k and L64k, INT8 and INT4 K, and names the fastest
+per precision, to pick the defaults (the ``decode`` section of configs/kernels.json) from one GPU run.
 
 Generate level — a Llama-3-8B-shaped model of 8 layers (random bf16 weights), prompt 4k and 16k,
 256 new tokens, greedy, batch 1: prefill timed alone, then each decode step (one token through
@@ -213,10 +213,6 @@ def kernel_rows(args, device, dtype):
                         row[f"{precision}_GBs"] = qbytes / us / 1e3
                         row[f"{precision}_x"] = row["sdpa_us"] / us
                         row[f"{precision}_host_us"] = host_us(run, args.calls)
-                        if precision == "int8":  # the splits merged in the decode launch: one launch per step
-                            row["int8_fused_us"] = time_us(
-                                lambda: decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=False, out=out,
-                                                             fused_combine=True), args.calls, args.repeats)
                         # the append kernel alone: one new token per sequence (rewrites the last slot)
                         k1, v1 = k[:, :, -1:].contiguous(), v[:, :, -1:].contiguous()
                         row[f"{precision}_append_us"] = time_us(
@@ -250,15 +246,14 @@ def kernel_rows(args, device, dtype):
 
 
 def sweep_configs(args) -> list[dict]:
-    """The default launch, the default with the two-kernel combine, then the grid."""
-    configs = [{"name": "default"}, {"name": "default, fused combine", "fused_combine": True},
-               {"name": "default, two-kernel combine", "fused_combine": False}]
+    """The default launch, then the grid."""
+    configs = [{"name": "default"}]
     for block_n in parse_sizes(args.sweep_block_n):
         for warps in parse_sizes(args.sweep_warps):
             for stages in parse_sizes(args.sweep_stages):
                 for waves in [float(w) for w in args.sweep_waves.split(",") if w.strip()]:
-                    configs.append({"name": f"N{block_n} w{warps} s{stages} waves{waves:g} fused", "block_n": block_n,
-                                    "num_warps": warps, "num_stages": stages, "waves": waves, "fused_combine": True})
+                    configs.append({"name": f"N{block_n} w{warps} s{stages} waves{waves:g}", "block_n": block_n,
+                                    "num_warps": warps, "num_stages": stages, "waves": waves})
     return configs
 
 
@@ -536,11 +531,11 @@ def fmt(value, spec="{:.1f}"):
 
 
 def kernel_table(rows) -> list[str]:
-    lines = ["| B | L | SDPA bf16 µs (GB/s) | qattn on bf16 cache µs | INT8-K µs (GB/s) | ×SDPA | relL1 | INT4-K µs (GB/s) | ×SDPA | relL1 | INT8-K fused combine µs | host µs/call (INT8) | append µs/token INT8 / INT4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | L | SDPA bf16 µs (GB/s) | qattn on bf16 cache µs | INT8-K µs (GB/s) | ×SDPA | relL1 | INT4-K µs (GB/s) | ×SDPA | relL1 | host µs/call (INT8) | append µs/token INT8 / INT4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['B']} | {r['L']} | failed: {r['error']} | | | | | | | | | | |")
+            lines.append(f"| {r['B']} | {r['L']} | failed: {r['error']} | | | | | | | | | |")
             continue
         cells = [str(r["B"]), str(r["L"]), f"{fmt(r.get('sdpa_us'))} ({fmt(r.get('sdpa_GBs'), '{:.0f}')})",
                  fmt(r.get("qattn_bf16cache_us"))]
@@ -551,7 +546,7 @@ def kernel_table(rows) -> list[str]:
             else:
                 cells += [f"{fmt(us)} ({fmt(r.get(f'{p}_GBs'), '{:.0f}')})", fmt(r.get(f"{p}_x"), "{:.2f}"),
                           fmt(r.get(f"{p}_relL1"), "{:.4f}")]
-        cells += [fmt(r.get("int8_fused_us")), fmt(r.get("int8_host_us")), f"{fmt(r.get('int8_append_us'))} / {fmt(r.get('int4_append_us'))}"]
+        cells += [fmt(r.get("int8_host_us")), f"{fmt(r.get('int8_append_us'))} / {fmt(r.get('int4_append_us'))}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -617,7 +612,7 @@ def main(argv=None) -> int:
         lines += [f"## Decode launch configurations: B{args.sweep_batch}, Hq {args.heads} / Hk {args.kv_heads}, "
                   f"d{args.head_dim}, q_len {args.q_len}", "",
                   "config: BLOCK_N, num_warps, num_stages, waves (programs per SM aimed at by the split count); "
-                  "default: the launcher's choice (decode_launch.FUSED_COMBINE for the combine); the grid uses the fused combine.", ""]
+                  "default: the launcher's choice (the decode section of configs/kernels.json).", ""]
         lines += sweep_table(srows) + [""]
     if grows:
         lines += [f"## Generate: Llama-3-8B-shaped, {args.layers} layers, random bf16 weights, batch 1, "

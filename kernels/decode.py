@@ -23,10 +23,9 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i). With one
-split the program normalizes and writes O + v̄; with several it writes (acc, m, l), and the splits
-are merged by their log-sum-exp: with ``FUSED_COMBINE`` by the last split program of each (query
-chunk, batch·kv-head) to finish (an atomic counter per tile, reset by that program: one launch per
-step), else by ``combine_kernel`` (a second launch).
+split the program normalizes and writes O + v̄; with several (``SPLIT``) it writes (acc, m, l), and
+the last split program of each (query chunk, batch·kv-head) to finish merges the splits by their
+log-sum-exp (an atomic arrival counter per tile, reset by that program): one launch per step.
 
 Whole tiles of BLOCK_N tokens are read without a bound mask (16-byte loads of K and V when the head
 dim needs no padding); only the last tile of a split is masked.
@@ -185,7 +184,7 @@ def decode_kernel(
     HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef,
     GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     DEVICE_LEN: tl.constexpr,
 ):
     if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
@@ -257,66 +256,33 @@ def decode_kernel(
         tl.store(PART_O + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(PART_M + part, m_i, mask=row_ok)
         tl.store(PART_L + part, l_i, mask=row_ok)
-        if FUSED_COMBINE:
-            # The last split of this (query chunk, batch·kv-head) to finish merges all the splits: one
-            # launch per decode step instead of two. The counter goes back to 0 for the next launch.
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = COUNTER + chunk * tl.num_programs(1) + bh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_run = tl.zeros([BLOCK_M], tl.float32)
-                o_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-                for t in range(0, NUM_SPLITS):
-                    m_t = tl.load(PART_M + part0 + t, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    l_t = tl.load(PART_L + part0 + t, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    o_t = tl.load(PART_O + (part0 + t)[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None],
-                                  other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_run, m_t)
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    a_run = tl.math.exp2(m_run - m_use)
-                    a_t = tl.math.exp2(m_t - m_use)
-                    l_run = l_run * a_run + l_t * a_t
-                    o_run = o_run * a_run[:, None] + o_t * a_t[:, None]
-                    m_run = m_new
-                seen = l_run != 0.0  # NaN (non-finite input) stays NaN
-                out = tl.where(seen[:, None], o_run / tl.where(seen, l_run, 1.0)[:, None] + v_bar[None, :], 0.0)
-                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        # The last split of this (query chunk, batch·kv-head) to finish merges all the splits, so a
+        # decode step is one launch. The counter goes back to 0 for the next launch.
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        counter = COUNTER + chunk * tl.num_programs(1) + bh
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_run = tl.zeros([BLOCK_M], tl.float32)
+            o_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            for t in range(0, NUM_SPLITS):
+                m_t = tl.load(PART_M + part0 + t, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                l_t = tl.load(PART_L + part0 + t, mask=row_ok, other=0.0, cache_modifier=".cg")
+                o_t = tl.load(PART_O + (part0 + t)[:, None] * D_PAD + offs_d[None, :], mask=row_ok[:, None],
+                              other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_run, m_t)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                a_run = tl.math.exp2(m_run - m_use)
+                a_t = tl.math.exp2(m_t - m_use)
+                l_run = l_run * a_run + l_t * a_t
+                o_run = o_run * a_run[:, None] + o_t * a_t[:, None]
+                m_run = m_new
+            seen = l_run != 0.0  # NaN (non-finite input) stays NaN
+            out = tl.where(seen[:, None], o_run / tl.where(seen, l_run, 1.0)[:, None] + v_bar[None, :], 0.0)
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         seen = l_i != 0.0  # 0 only for rows that saw no key; NaN (non-finite input) stays NaN
         out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :], 0.0)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-
-@triton.jit
-def combine_kernel(
-    PART_O, PART_M, PART_L, V_BAR, O,
-    stride_ob, stride_on, stride_oh, stride_od,
-    HQ, NQ, NUM_SPLITS,
-    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    """One program per (batch·query head, query token): merge the splits by their log-sum-exp."""
-    pid = tl.program_id(0)  # (b·Hq + h)·NQ + i
-    qi = pid % NQ
-    bhq = pid // NQ
-    b = (bhq // HQ).to(tl.int64)
-    h = bhq % HQ
-    s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    base = pid.to(tl.int64) * NUM_SPLITS
-    m = tl.load(PART_M + base + s, mask=s_ok, other=float("-inf"))
-    l = tl.load(PART_L + base + s, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_use)
-    total = tl.sum(w * l, axis=0)
-    acc = tl.load(PART_O + (base + s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    merged = tl.sum(acc * w[:, None], axis=0)
-    v_bar = tl.load(V_BAR + (b * (HQ // GROUPS) + h // GROUPS) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-    seen = total != 0.0  # NaN (non-finite input) stays NaN
-    out = tl.where(seen, merged / tl.where(seen, total, 1.0) + v_bar, 0.0)
-    tl.store(O + b * stride_ob + qi * stride_on + h * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty),
-             mask=d_ok)

@@ -16,7 +16,7 @@ import triton
 
 from . import tuning
 from .fast_launch import fast
-from .decode import append_kernel, combine_kernel, decode_kernel
+from .decode import append_kernel, decode_kernel
 
 from .formats import LOG2E
 
@@ -32,7 +32,7 @@ def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int | torch.Tensor, *, int4
     b, hk, n, d = k.shape
     if n == 0:
         return
-    block_t = 16 if tuning.interpreting() else (32 if n > 16 else 16)  # one token (decoding): a smaller tile
+    block_t = tuning.decode_config(tuning.interpreting())["APPEND_BLOCK_T"] if n > 16 else 16
     device_pos = isinstance(pos0, torch.Tensor)
     fast(append_kernel)[(triton.cdiv(n, block_t), b * hk)](
         k, v, k_bar, v_bar, kq, ks, vq, vs, 0 if device_pos else pos0, pos0 if device_pos else None,
@@ -43,49 +43,39 @@ def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int | torch.Tensor, *, int4
     )
 
 
-# Split-count heuristic: enough (query chunk, batch·kv-head, split) programs for WAVES programs per
-# SM, never more splits than key tiles, nor a split shorter than MIN_SPLIT_TILES tiles unless that
-# is needed to reach one program per SM. ``decode(waves=…)`` overrides it (bench_decode.py --sweep).
-# WAVES 8 (was 2): more programs keep more of the cache in flight; on the H100 at B8 L16k / L64k,
-# INT8 125.6 → 123.9 / 474.7 → 423.0 µs, INT4 169.0 → 146.5 / 640.0 → 543.9 µs
-# (eval/results/decode-sweep-*-waves.log; 16 waves and 2 warps win at 64k, lose at 16k).
-# MAX_SPLITS 32 (was 128): the fused combine merges the splits one after another in one program, and
-# with 128 splits (B1 L64k at 8 waves) that tail cost 116 µs a step against 72 with 33 splits; more
-# than MAX_SPLITS only when fewer would leave SMs idle (MQA at batch 1).
-WAVES = 8
-MIN_SPLIT_TILES = 4
-MAX_SPLITS = 32
-# Registers a thread, capped: Nsight Compute showed the kernel at 144 registers, 3 programs an SM
-# (18.75 % occupancy) and 64 % (INT8) / 38 % (INT4) of DRAM bandwidth at B8 L64k
-# (eval/results/ncu/ncu-decode-*.txt). At 128 (no spills for INT8, 2 for INT4) B8 L16k / L64k went
-# 122.7 → 120.2 / 430.0 → 424.5 µs (INT8) and 148.7 → 139.4 / 549.4 → 507.7 µs (INT4); 104 and 88
-# spill and lose (eval/results/decode-regs-sweep-*.md).
-MAXNREG = 128
-# Merge the splits inside the decode launch (the last split program of a tile to finish, through an
-# arrival counter) instead of a second kernel. Validated on the H100 by eval/check_decode.py (fused
-# and two-kernel results agree with the reference; repeats are identical) and faster there at short
-# caches (B1 L1k: 42 vs 113 µs a step; eval/results/decode-*.md). The interpreter does not exercise
-# its memory ordering.
-FUSED_COMBINE = True
+# Launch settings: tuning.decode_config (``decode`` in configs/kernels.json). Why each exists, and the
+# eval/results file (H100) that measured it where one did:
+# BLOCK_N, num_warps: the key tile and warps, fastest in the launch sweep
+#   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23.md).
+# MAX_ROWS: rows of a tile at most (query heads of a KV group × query tokens); more query tokens make more chunks.
+# WAVES: programs an SM the split count aims at, to keep the cache in flight
+#   (decode-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23-waves.log).
+# MIN_SPLIT_TILES: key tiles a split reads at least (unless fewer fill the SMs): a short split is mostly merge work.
+# MAX_SPLITS: the last split program merges splits one by one, a tail that grows with them
+#   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md).
+# maxnreg: a register cap, so more programs share an SM without spills
+#   (decode-regs-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23.md).
+# NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
+# APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool, block_n: int | None,
           num_splits: int | None, waves: float | None) -> tuple:
+    cfg = tuning.decode_config(interp)
     if block_n is None:
-        block_n = 16 if interp else 64
-    qt = max(1, min(nq, 64 // groups))  # query tokens per tile: G·QT rows, at most 64 (≥ 16 by padding)
+        block_n = cfg["BLOCK_N"]
+    qt = max(1, min(nq, cfg["MAX_ROWS"] // groups))  # query tokens per tile: G·QT rows (≥ 16 by padding)
     block_m = max(16, triton.next_power_of_2(qt * groups))
     chunks = triton.cdiv(nq, qt)
     tiles = max(1, triton.cdiv(nk, block_n))
     if num_splits is None:
-        if interp:
-            num_splits = min(2, tiles)
-        else:
-            programs = chunks * b * hk
-            fill = triton.cdiv(sms, programs)  # splits for one program per SM
-            want = triton.cdiv(int(sms * (WAVES if waves is None else waves)), programs)
-            num_splits = min(want, max(fill, tiles // MIN_SPLIT_TILES), max(fill, MAX_SPLITS))
+        num_splits = cfg["NUM_SPLITS"]
+    if num_splits is None:
+        programs = chunks * b * hk
+        fill = triton.cdiv(sms, programs)  # splits for one program per SM
+        want = triton.cdiv(int(sms * (cfg["WAVES"] if waves is None else waves)), programs)
+        num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cfg["MAX_SPLITS"]))
     num_splits = max(1, min(num_splits, tiles))
     split_len = triton.cdiv(tiles, num_splits) * block_n
     num_splits = triton.cdiv(max(nk, 1), split_len)  # no empty trailing split
@@ -103,8 +93,8 @@ def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.de
 
 
 # Scratch of the split path, kept per device and grown as needed (no allocation per decode step):
-# the partial (acc, m, l) of every split, and the fused combine's arrival counters, which the kernel
-# leaves at zero. Launches on one stream use it one after the other; calls from several streams
+# the partial (acc, m, l) of every split, and the merge's arrival counters, which the kernel leaves
+# at zero. Launches on one stream use it one after the other; calls from several streams
 # at once on one device would need one workspace per stream (not done).
 _WORKSPACE: dict = {}
 
@@ -126,8 +116,8 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
            kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
            length: torch.Tensor | None = None,
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-           num_warps: int = 4, num_stages: int | None = None, waves: float | None = None,
-           fused_combine: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
+           num_warps: int | None = None, num_stages: int | None = None, waves: float | None = None,
+           maxnreg: int | None = None) -> torch.Tensor:
     """Attention of q (B, Hq, Nq, D) over the first ``nk`` cached tokens → (B, Nq, Hq, D) in q's dtype.
 
     ``causal`` aligns the diagonal bottom-right (query i sees keys ≤ nk − Nq + i); with one query it
@@ -135,10 +125,10 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     ``length``: a one-element int32 tensor on the device holding the cached token count (≤ ``nk``, which
     is then the capacity the launch is planned for): the kernel reads it, so a captured CUDA graph
     replays correctly as the cache grows.
-    No host synchronization, no allocation but ``out`` when it is not given; one kernel launch, two
-    with several splits unless ``fused_combine`` (default: :data:`FUSED_COMBINE`) merges them in it.
+    No host synchronization, no allocation but ``out`` when it is not given; one kernel launch (with
+    several splits, the last split program to finish merges them).
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
-    thread, default :data:`MAXNREG`, 0 for none: more programs per SM) tune the launch.
+    thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config`.
     """
     b, hq, nq, d = q.shape
     hk = kq.shape[1]
@@ -160,27 +150,20 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
                   else kv_end.to(device=q.device, dtype=torch.int32).contiguous())
     splits = cfg["num_splits"]
     split = splits > 1
-    if fused_combine is None:
-        fused_combine = FUSED_COMBINE
     if split:
         part_o, part_m, part_l, counter = _workspace(q.device, b * hq * nq * splits, d_pad, cfg["chunks"] * b * hk)
     else:
         part_o = part_m = part_l = counter = None
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    extra.update(tuning.register_cap(MAXNREG if maxnreg is None else maxnreg))
+    settings = tuning.decode_config(interp or q.device.type != "cuda")
+    extra.update(tuning.register_cap(settings["maxnreg"] if maxnreg is None else maxnreg))
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),
         hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range, SPLIT=split,
-        FUSED_COMBINE=split and fused_combine, INTERPRET=interp, DEVICE_LEN=length is not None,
-        num_warps=num_warps, **extra,
+        INTERPRET=interp, DEVICE_LEN=length is not None,
+        num_warps=settings["num_warps"] if num_warps is None else num_warps, **extra,
     )
-    if split and not fused_combine:
-        fast(combine_kernel)[(b * hq * nq,)](
-            part_o, part_m, part_l, v_bar, out, *out.stride(), hq, nq, splits,
-            GROUPS=groups, HEAD_DIM=d, D_PAD=d_pad, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-            num_warps=4 if d_pad >= 128 else 2,
-        )
     return out

@@ -3,6 +3,8 @@
 A configuration is the default entry updated, in order, by every rule whose named keys all match
 the call: ``arch`` (``"sm90"``…, or ``"interpreter"`` under TRITON_INTERPRET), ``head_dim`` (padded),
 ``causal``, ``pv`` and ``qk``. The benchmark writes better rules back into the file, not into code.
+The Hopper kernel's settings (``hopper``) and the quantized-cache kernels' (``decode``) are a default
+with overrides by head dim, or for the interpreter.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def hopper_config(head_dim: int) -> dict:
     """The sm90 Gluon kernel's settings for this head dim (``hopper`` in kernels.json); cached, read-only."""
     entry = table()["hopper"]
     return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
+
+
+@functools.lru_cache(maxsize=None)
+def decode_config(interpreter: bool) -> dict:
+    """The quantized-cache kernels' settings (``decode`` in kernels.json): the GPU's, or with the interpreter's
+    overrides; cached, read-only."""
+    entry = table()["decode"]
+    return {**entry["default"], **(entry["interpreter"] if interpreter else {})}
 
 
 def center_sample() -> int:

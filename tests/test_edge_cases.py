@@ -127,18 +127,15 @@ def test_decode_kernel_propagates_non_finite_query(seed, splits, tmp_path, monke
     q = torch.randn(1, 4, 2, 32, device=DEVICE)
     q[0, 1, 0, 3] = math.nan
 
-    def run(fused=False):  # 16-key tiles: 40 keys make three, so two splits happen on a GPU too
-        return decode_launch.decode(q, kq, ks, vq, vs, v_bar, 40, int4=False, num_splits=splits,
-                                    fused_combine=fused, block_n=16)
+    def run():  # 16-key tiles: 40 keys make three, so two splits happen on a GPU too
+        return decode_launch.decode(q, kq, ks, vq, vs, v_bar, 40, int4=False, num_splits=splits, block_n=16)
 
-    for fused in (False, True):  # the separate combine kernel, and the decode kernel's fused combine
-        out = run(fused)  # (B, Nq, Hq, D)
-        assert torch.isnan(out[0, 0, 1]).all()
-        assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
-    old = "seen = total != 0.0" if splits > 1 else "seen = l_i != 0.0"
+    out = run()  # (B, Nq, Hq, D)
+    assert torch.isnan(out[0, 0, 1]).all()
+    assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
+    old = "seen = l_run != 0.0" if splits > 1 else "seen = l_i != 0.0"  # the splits' merge, or one split's end
     mutant = _mutant(tmp_path, decode, old, old.replace("!= 0.0", "> 0.0"))
-    monkeypatch.setattr(decode_launch, "combine_kernel" if splits > 1 else "decode_kernel",
-                        getattr(mutant, "combine_kernel" if splits > 1 else "decode_kernel"))
+    monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
     assert (run()[0, 0, 1] == 0).all()  # what the test guards against
 
 
