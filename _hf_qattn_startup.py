@@ -20,7 +20,7 @@ import os
 import sys
 
 TRIGGERS = frozenset({"transformers.modeling_utils", "transformers.masking_utils"})
-DISABLE_ENV = "HF_QATTN_NO_STARTUP_HOOK"
+DISABLE_ENV = "HF_QATTN_NO_STARTUP_HOOK"  # listed in hf_qattn.kernels.settings; read here, which imports nothing
 
 
 class ImportHfQattnWithTransformers:

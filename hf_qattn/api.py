@@ -10,13 +10,13 @@ and warned once per reason by :func:`hf_qattn.fallback_stats`) is chosen by
 from __future__ import annotations
 
 import math
-import os
 import numbers
 from typing import Literal
 
 import torch
 
 from . import ops, reference, stats, support
+from .kernels import settings
 from .support import BACKENDS, DTYPES, MAX_KERNEL_HEAD_DIM  # noqa: F401  (re-exported)
 
 QK_CHOICES = ("int8", "int4")
@@ -153,7 +153,7 @@ def qattn(
     qh, kh, vh = _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end)
     sm_scale = _check_sm_scale(sm_scale)
     if split_channel is None:
-        split_channel = os.environ.get("HF_QATTN_SPLIT_CHANNEL", "0") == "1"
+        split_channel = settings.split_channel()
     elif not isinstance(split_channel, bool):
         raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
     b, hq, nq, d = qh.shape

@@ -24,13 +24,13 @@ shapes); the integrations ask it before anything else.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from . import stats
+from .kernels import settings
 
 # -- the path vocabulary -------------------------------------------------------------------------
 HOPPER = "hopper"
@@ -103,7 +103,7 @@ def exact_int4() -> bool:
     they buy only error. By default an int4 call on sm90 runs INT8 (the Hopper kernel); set
     ``HF_QATTN_EXACT_INT4=1`` to reproduce INT4 numerics there (the portable Triton kernel).
     """
-    return os.environ.get("HF_QATTN_EXACT_INT4", "0") == "1"
+    return settings.exact_int4()
 
 
 def effective_qk(q: torch.Tensor, qk: str) -> str:

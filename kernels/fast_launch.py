@@ -25,19 +25,18 @@ specialization differs from the one the key stood for.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import triton
 
-from . import tuning
+from . import settings, tuning
 
 VALIDATED = ("3.6.",)
 _I32_MAX = 2 ** 31 - 1
 
 
 def _mode() -> str:
-    return os.environ.get("HF_QATTN_FAST_LAUNCH", "1")
+    return settings.fast_launch_mode()
 
 
 _VERSION_OK = triton.__version__.startswith(VALIDATED)
