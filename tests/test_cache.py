@@ -107,16 +107,49 @@ def test_nbytes_and_the_memory_targets():
                                 plan=QAttnPlan(default="int8", layers={1: "int4"}, num_layers=2))
     for index in range(2):
         cache.update(k, v, index)
-    per_layer = cache.nbytes(per_layer=True)
+    per_layer = cache.nbytes(per_layer=True, used=True)
     centers = 2 * b * h * d * 4
     assert per_layer == [b * h * n * (d + d + 8) + centers, b * h * n * (d // 2 + d + 8) + centers]
-    assert cache.nbytes() == sum(per_layer)
+    assert cache.nbytes(used=True) == sum(per_layer)
+    # allocated: whole blocks of 256 tokens, every byte of the layers' tensors counted
+    capacity = 256
+    assert cache.nbytes(per_layer=True) == [b * h * capacity * (d + d + 8) + centers,
+                                            b * h * capacity * (d // 2 + d + 8) + centers]
+    assert cache.nbytes() == sum(_tensor_bytes(layer) for layer in cache.layers)
     bf16 = b * h * n * d * 2 * 2
     assert (per_layer[0] - centers) / bf16 <= 0.55 and (per_layer[1] - centers) / bf16 <= 0.42
     dynamic = hf_qattn.QAttnCache(llama_config(layers=1, head_dim=d, hidden_size=256, num_attention_heads=2),
                                   plan=UNQUANTIZED)
     dynamic.update(k, v, 0)
     assert dynamic.nbytes() == bf16
+
+
+def _tensor_bytes(layer) -> int:
+    """Bytes of every tensor a QAttnLayer holds (what its storage takes from the device)."""
+    store = layer.storage()
+    return sum(t.numel() * t.element_size() for t in (store.kq, store.ks, store.vq, store.vs, store.k_bar,
+                                                       store.v_bar))
+
+
+@pytest.mark.parametrize("prompt", [4096, 4000, 8192])
+def test_generation_never_doubles_the_cache(prompt):
+    """A prompt, then 256 tokens (the first alone, as generate's first step; then in 15 appends of 17):
+    the bytes allocated stay ≤ 0.56× (INT8 K) / ≤ 0.45× (INT4 K) of a bf16 cache of the same tokens
+    after every append, and nbytes() reports what is allocated. (Doubling the capacity at the first
+    generated token held 1.03× at a 4,096-token prompt.)"""
+    b, h, d = 1, 1, 128
+    bf16_per_token = b * h * d * 2 * 2
+    for precision, bound in (("int8", 0.56), ("int4", 0.45)):
+        layer = qcache.QAttnLayer(precision)
+        layer.update(*_states(b, h, prompt, d))
+        worst = 0.0
+        for tokens in [1] + [17] * 15:
+            layer.update(*_states(b, h, tokens, d))
+            allocated = _tensor_bytes(layer)
+            assert layer.nbytes() == allocated
+            worst = max(worst, allocated / (bf16_per_token * layer.get_seq_length()))
+        assert worst <= bound, (precision, prompt, worst)
+        assert layer.nbytes(used=True) <= layer.nbytes()
 
 
 def test_static_storage_is_preallocated_and_bounded(seed):

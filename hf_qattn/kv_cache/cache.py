@@ -2,7 +2,8 @@
 
     cache = hf_qattn.QAttnCache(model)                      # model loaded with attn_implementation="qattn"
     out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
-    cache.nbytes(), cache.nbytes(per_layer=True)            # bytes held (scales and centers included)
+    cache.nbytes(), cache.nbytes(per_layer=True)            # bytes allocated (scales and centers included)
+    cache.nbytes(used=True)                                 # the cached tokens' share of them
 
 Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or in INT4 packed two a
 byte where the model's plan (``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, and
@@ -46,7 +47,13 @@ except ImportError:  # transformers < 5: the cache is unavailable, the rest of h
     DynamicLayer = DYNAMIC_LAYER_TYPE_MAPPING = get_layer_types_and_kwargs = None
 
 CENTER_SAMPLE = 256
-_MIN_CAPACITY = 256
+# Growth of a layer's storage (without static_max_len): whole blocks of 256 tokens, and at least a
+# sixteenth of what is held, so appending one token at a time reallocates (and copies) every L/16
+# tokens, while what is allocated stays within 1/16 of what is used — doubling (the usual rule)
+# would hold twice the bytes of a 4k prompt from its first generated token on, more than a bf16
+# cache of the same tokens.
+_BLOCK_TOKENS = 256
+_GROWTH_DIVISOR = 16
 
 
 class CacheStorage(NamedTuple):
@@ -129,8 +136,8 @@ class QAttnLayer(CacheLayerMixin):
             return
         if self.max_len is not None:
             raise QAttnCacheError(f"QAttnCache(static_max_len={self.max_len}) is full: {needed} tokens asked for")
-        capacity = max(needed, 2 * self._capacity, _MIN_CAPACITY)
-        self._allocate(-(-capacity // _MIN_CAPACITY) * _MIN_CAPACITY)
+        capacity = max(needed, self._capacity + max(_BLOCK_TOKENS, self._capacity // _GROWTH_DIVISOR))
+        self._allocate(-(-capacity // _BLOCK_TOKENS) * _BLOCK_TOKENS)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[-2]
@@ -229,13 +236,16 @@ class QAttnLayer(CacheLayerMixin):
         return CacheStorage(self.precision, self._kq, self._ks, self._vq, self._vs, self._k_bar, self._v_bar,
                             self._length, self._capacity, self._device_length)
 
-    def nbytes(self) -> int:
-        """Bytes held for the cached tokens: quantized K and V, their scales, the centers."""
+    def nbytes(self, used: bool = False) -> int:
+        """Bytes of the storage: quantized K and V, their per-token scales, the centers — as allocated
+        (the whole capacity: what the cache takes from the device), or with ``used`` only the cached
+        tokens' share."""
         if self._kq is None:
             return 0
-        per_token = self._kq.shape[-1] + self._vq.shape[-1] + 4 + 4  # K bytes, V bytes, δK, δV
-        centers = 2 * self._k_bar.numel() * 4 if self._k_bar is not None else 0
-        return self.batch_size * self.num_heads * self._length * per_token + centers
+        per_token = self._kq.shape[-1] * self._kq.element_size() + self._vq.shape[-1] * self._vq.element_size() + 8
+        centers = 2 * self._k_bar.numel() * self._k_bar.element_size() if self._k_bar is not None else 0
+        tokens = self._length if used else self._capacity
+        return self.batch_size * self.num_heads * tokens * per_token + centers
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
@@ -245,9 +255,9 @@ class QAttnLayer(CacheLayerMixin):
         return (k + self._k_bar[:, :, None]).to(self.dtype), (v + self._v_bar[:, :, None]).to(self.dtype)
 
 
-def _layer_nbytes(layer) -> int:
+def _layer_nbytes(layer, used: bool) -> int:
     if isinstance(layer, QAttnLayer):
-        return layer.nbytes()
+        return layer.nbytes(used)
     total = 0
     for name in ("keys", "values"):
         t = getattr(layer, name, None)
@@ -331,7 +341,9 @@ class QAttnCache(Cache):
         """Storage of each layer: "int8", "int4", or the name of the unquantized layer class."""
         return [layer.precision if isinstance(layer, QAttnLayer) else type(layer).__name__ for layer in self.layers]
 
-    def nbytes(self, per_layer: bool = False):
-        """Bytes the cache holds (scales and centers included): the total, or a list per layer."""
-        sizes = [_layer_nbytes(layer) for layer in self.layers]
+    def nbytes(self, per_layer: bool = False, used: bool = False):
+        """Bytes the cache has allocated (scales and centers included), or with ``used`` the cached
+        tokens' share of them: the total, or a list per layer. Full-precision layers hold exactly
+        their tokens."""
+        sizes = [_layer_nbytes(layer, used) for layer in self.layers]
         return sizes if per_layer else sum(sizes)
