@@ -37,7 +37,9 @@ import triton.language as tl
 from .common import FP8_MAX, SCALE_FLOOR, quantize_symmetric, scale_to_fp8
 
 
-@triton.jit
+# Ints that change from one generated token to the next are not specialized on (Triton would compile
+# a variant the first time one is 1 or divisible by 16: in the middle of a generation)
+@triton.jit(do_not_specialize=["pos0"])
 def append_kernel(
     K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, pos0, POS,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -173,7 +175,7 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NK", "SPLIT_LEN", "NUM_SPLITS"])
 def decode_kernel(
     Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN,
     stride_qb, stride_qh, stride_qn, stride_qd,

@@ -62,8 +62,13 @@ _KEY_BY_TYPE = {type(None): lambda value: None, bool: lambda value: (bool, value
                 torch.Tensor: _tensor_key, float: lambda value: float}
 
 
-def _args_key(args: tuple) -> tuple:
+def _args_key(args: tuple, plain: frozenset) -> tuple:
+    """The key of the positional arguments; those at the ``plain`` positions (the kernel's
+    ``do_not_specialize`` ints) by type only, as Triton keys them."""
     get = _KEY_BY_TYPE.get
+    if plain:
+        return tuple(type(value) if i in plain else (get(type(value)) or _arg_key)(value)
+                     for i, value in enumerate(args))
     return tuple((get(type(value)) or _arg_key)(value) for value in args)
 
 
@@ -90,6 +95,16 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _plain_positions(jit_fn) -> frozenset:
+    """Positions of the kernel's ``do_not_specialize`` parameters (a JIT function lists them in its
+    params; the interpreter's wrapper keeps the decorator's arguments)."""
+    params = getattr(jit_fn, "params", None)
+    if params is not None:
+        return frozenset(p.num for p in params if p.do_not_specialize)
+    plain = getattr(jit_fn, "kwargs", {}).get("do_not_specialize") or ()
+    return frozenset(n if isinstance(n, int) else list(jit_fn.arg_names).index(n) for n in plain)
+
+
 class FastLauncher:
     """``FastLauncher(jit_fn)[grid](*args, **kwargs)`` launches like ``jit_fn[grid](*args, **kwargs)``."""
 
@@ -99,6 +114,7 @@ class FastLauncher:
         self._names = None
         self._defaults = None
         self.direct = 0  # launches that skipped Triton's path (the device check asserts there are some)
+        self.plain = _plain_positions(jit_fn)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -118,7 +134,7 @@ class FastLauncher:
         if not enabled(mode) or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return self.jit_fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
-        key = (device, _args_key(args), tuple(kwargs.items()))
+        key = (device, _args_key(args, self.plain), tuple(kwargs.items()))
         kernel = self.kernels.get(key)
         if kernel is None:
             kernel = self.jit_fn[grid](*args, **kwargs)

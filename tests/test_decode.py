@@ -278,3 +278,23 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
     mutant = _mutant_module(tmp_path, *MUTATIONS[name])
     monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
     assert run() is not None, f"the mutant '{name}' passed the check"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts compiled GPU kernels")
+def test_a_growing_cache_compiles_no_new_decode_kernel():
+    """Decode steps over a cache whose key count passes multiples of 16 (as a generation does) reuse the
+    first step's compiled kernel: no compile in the middle of a generation."""
+    k, v = outlier_kv(1, 2, 200, 64)
+    st = fill(k, v, "int8", capacity=256)
+    q = torch.randn(1, 4, 1, 64, device=DEVICE, dtype=torch.float16)
+    kernel_cache = decode.decode_kernel.device_caches[torch.cuda.current_device()][0]
+
+    def step(nk):
+        decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=False)
+
+    step(129)  # more than two 64-key tiles: split, as every later step
+    compiled = len(kernel_cache)
+    for nk in (144, 145, 160, 176, 177, 192, 200):
+        step(nk)
+    assert len(kernel_cache) == compiled
+

@@ -47,8 +47,23 @@ def test_the_by_type_key_equals_the_general_key():
     base = torch.zeros(64, dtype=torch.float16)
     values = (None, True, False, 1, 17, 32, 2 ** 33, 0.5, base, base[1:], torch.nn.Parameter(base.clone()),
               Descriptor(base), "constexpr", (3, 4))
-    assert fast_launch._args_key(values) == tuple(fast_launch._arg_key(v) for v in values)
-    assert fast_launch._args_key((True,)) != fast_launch._args_key((1,))
+    assert fast_launch._args_key(values, frozenset()) == tuple(fast_launch._arg_key(v) for v in values)
+    assert fast_launch._args_key((True,), frozenset()) != fast_launch._args_key((1,), frozenset())
+
+
+def test_ints_the_kernel_does_not_specialize_on_share_one_key():
+    """The decode kernel's per-step ints (key count, split length, split count) are keyed by type only,
+    as Triton keys them: a key count of 48 after 47 finds the kernel already compiled."""
+    from hf_qattn.kernels import decode
+
+    launcher = fast_launch.FastLauncher(decode.decode_kernel)
+    names = {decode.decode_kernel.arg_names[i] for i in launcher.plain}
+    assert names == {"NK", "SPLIT_LEN", "NUM_SPLITS"}
+    nk = min(launcher.plain)
+    args = [0] * (nk + 1)
+    keys = {fast_launch._args_key(tuple(args[:nk]) + (n,), launcher.plain) for n in (1, 16, 17, 48, 2 ** 33)}
+    assert len(keys) == 1
+    assert fast_launch._args_key((16,), frozenset()) != fast_launch._args_key((17,), frozenset())
 
 
 def test_disabled_launcher_calls_the_kernel_unchanged():
