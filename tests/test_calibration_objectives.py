@@ -103,7 +103,8 @@ def test_logit_kl_progress_line(tiny_model, capsys, monkeypatch):
 def test_cli_objective_flag(tmp_path, capsys):
     parse = cli.build_parser().parse_args
     base = ["calibrate", str(tmp_path), "--text", "t", "--out", "o"]
-    assert parse(base).objective == "attention"
+    assert parse(base).objective == "auto"  # issue 24: ppl-gain for a causal LM, attention otherwise
+    assert parse(base + ["--objective", "attention"]).objective == "attention"
     assert parse(base + ["--objective", "logit-kl"]).objective == "logit-kl"
     assert parse(base + ["--objective", "ppl-gain"]).objective == "ppl-gain"
     with pytest.raises(SystemExit) as exit_info:

@@ -3,6 +3,8 @@
 The objectives (:data:`OBJECTIVES`, ``calibrate(..., objective=...)``), one plan format:
 
 - ``"attention"`` (default; SageAttn-mix, the paper's score), described below: one forward per input.
+- ``"auto"`` (the CLI's default) runs ``"ppl-gain"`` for a causal LM and ``"attention"`` for any other model
+  (:func:`choose_objective`).
 - ``"logit-kl"`` (end to end): per layer, the KL divergence of the model's final next-token
   distribution with only that layer's attention at int4 (all others full precision) from the one
   with every layer full precision, averaged over the calibration tokens; the largest ``ratio`` share
@@ -94,6 +96,7 @@ class CalibrationResult(CalibrationOutcome):
     objective: str = "attention"
     forwards: int = 0
     seconds: float = 0.0
+    chosen_by: str | None = None  # objective="auto": why it ran ``objective``
 
     def to_dict(self) -> dict:
         body = self._json(plan=self.plan.to_dict(), objective=self.objective, forwards=self.forwards,
@@ -101,6 +104,8 @@ class CalibrationResult(CalibrationOutcome):
                           layers={str(layer): score.as_dict() for layer, score in sorted(self.scores.items())})
         if self.objective in METRICS:
             body["metric"] = METRICS[self.objective]
+        if self.chosen_by is not None:
+            body["chosen_by"] = f"auto: {self.chosen_by}"
         return body
 
 
@@ -443,12 +448,44 @@ OBJECTIVES = {
                                 "int8 and all others int4 (largest → int8)"),
 }
 DEFAULT_OBJECTIVE = "attention"
+# objective="auto" (the CLI's default) picks one of OBJECTIVES per model: ppl-gain for a causal LM, whose
+# plan is judged by perplexity (on SmolLM2 its plan recovered 51 % of int4's perplexity increase on held-out
+# text, attention's 30 %: eval/results/calibration-ppl-gain-cpu-2026-11-23.md), attention for the rest
+AUTO = "auto"
 
 
 def check_objective(objective) -> str:
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}; got {objective!r}")
+    if objective != AUTO and objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}; got {objective!r} (or {AUTO!r}: "
+                         "ppl-gain for a causal LM, attention for other models)")
     return objective
+
+
+def _is_causal_lm(model) -> bool:
+    name = type(model).__name__
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers moved it
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = {}
+    names = {n for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for n in ([value] if isinstance(value, str) else value)}
+    return name in names or name.endswith("ForCausalLM")
+
+
+def choose_objective(model, batches=None) -> tuple[str, str]:
+    """(objective, why) that ``objective="auto"`` runs: ``"ppl-gain"`` for a causal LM (a class of
+    transformers' causal-LM mapping, or ``*ForCausalLM``) whose inputs are ``input_ids`` of at least
+    2 tokens (a next token to predict), else ``"attention"``. ``batches``: the tokenized inputs (dicts),
+    or None to judge by the model alone."""
+    name = type(model).__name__
+    if not _is_causal_lm(model):
+        return "attention", f"{name} is not a causal LM (no next-token perplexity to rank layers by)"
+    for batch in batches or []:
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 2:
+            return "attention", f"{name} is a causal LM, but its inputs are not input_ids of 2 tokens or more"
+    return "ppl-gain", (f"{name} is a causal LM: layers are ranked by what int8 saves of the text's next-token "
+                        "NLL, the measure a plan is judged by (L + 2 forwards per batch)")
 
 
 def calibrate(
@@ -474,8 +511,9 @@ def calibrate(
         batch_size: strings (or input_ids rows) per forward pass; padding never enters a score.
         max_length: truncation length for string inputs (None: no truncation).
         progress: show a progress bar (tqdm when installed).
-        objective: one of :data:`OBJECTIVES`: ``"attention"`` (default, the INT4 attention-output score
-            CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"`` (end to end: KL of the final
+        objective: ``"auto"`` (:func:`choose_objective`: ``"ppl-gain"`` for a causal LM, else
+            ``"attention"``; the CLI's default) or one of :data:`OBJECTIVES`: ``"attention"`` (default,
+            the INT4 attention-output score CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"`` (end to end: KL of the final
             next-token distribution with one layer at int4, L + 1 forwards per batch; needs logits) or
             ``"logit-kl-gain"`` (the KL drop when one layer of an all-int4 model is int8; L + 2 forwards) or
             ``"ppl-gain"`` (the drop of the next-token NLL of ``inputs`` when one layer of an all-int4 model is
@@ -506,6 +544,9 @@ def calibrate(
             call.setdefault("use_cache", False)
         calls.append(call)
 
+    chosen_by = None
+    if objective == AUTO:
+        objective, chosen_by = choose_objective(model, batches)
     previous_impl = config._attn_implementation
     was_training = model.training
     run, _cost = OBJECTIVES[objective]
@@ -520,8 +561,10 @@ def calibrate(
         model.train(was_training)
     seconds = time.perf_counter() - started
 
+    if chosen_by is not None:
+        extra = {**extra, "chosen_by": f"auto: {chosen_by}"}
     meta = describe(batches=len(batches), objective=objective, forwards=forwards, **extra)
     plan = QAttnPlan.from_scores(ranking, ratio, num_layers=attention._num_layers(config), meta=meta)
     setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
     return CalibrationResult(plan=plan, scores=scores, skipped=dict(skipped), objective=objective,
-                             forwards=forwards, seconds=seconds)
+                             forwards=forwards, seconds=seconds, chosen_by=chosen_by)
