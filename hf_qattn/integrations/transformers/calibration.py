@@ -513,8 +513,9 @@ def calibrate(
         progress: show a progress bar (tqdm when installed).
         objective: ``"auto"`` (:func:`choose_objective`: ``"ppl-gain"`` for a causal LM, else
             ``"attention"``; the CLI's default) or one of :data:`OBJECTIVES`: ``"attention"`` (default,
-            the INT4 attention-output score CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"`` (end to end: KL of the final
-            next-token distribution with one layer at int4, L + 1 forwards per batch; needs logits) or
+            the INT4 attention-output score CosSim·(1 − RelL1), one forward per batch) or ``"logit-kl"``
+            (end to end: KL of the final next-token distribution with one layer at int4, L + 1 forwards per
+            batch; needs logits) or
             ``"logit-kl-gain"`` (the KL drop when one layer of an all-int4 model is int8; L + 2 forwards) or
             ``"ppl-gain"`` (the drop of the next-token NLL of ``inputs`` when one layer of an all-int4 model is
             int8; L + 2 forwards; needs logits and input_ids).
