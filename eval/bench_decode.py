@@ -50,6 +50,10 @@ import time
 import traceback
 
 import torch
+import transformers  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 
 def log(*args):
@@ -390,7 +394,7 @@ def generate_run(model, ids, mode: str, new_tokens: int, warmup: int):
         def compiled_step(token, position=[ids.shape[1]]):  # noqa: B006 - the step's position, advanced here
             at = torch.tensor([position[0]], device=token.device)
             position[0] += 1
-            return forward(input_ids=token, position_ids=at[None], cache_position=at, past_key_values=cache,
+            return forward(input_ids=token, position_ids=at[None], cache_position=at, **{CACHE_KW: cache},
                            use_cache=True).logits.clone()
         return _timed_generate(model, ids, cache, new_tokens, warmup, make_step=lambda: compiled_step)
     if mode.startswith("sdpa"):
@@ -419,13 +423,13 @@ def _timed_generate(model, ids, cache, new_tokens: int, warmup: int, make_step=N
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
     _sync()
     prefill_ms = (time.perf_counter() - t0) * 1e3
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
     step_ms = []
-    decode_step = make_step() if make_step else (lambda t: model(t, past_key_values=cache, use_cache=True).logits)
+    decode_step = make_step() if make_step else (lambda t: model(t, **{CACHE_KW: cache}, use_cache=True).logits)
     for step in range(new_tokens - 1):
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -37,6 +37,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from calibration_study import DATA, DEFAULT_MODEL, windows  # noqa: E402
+import transformers  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 
 def parse_args(argv=None):
@@ -66,7 +70,7 @@ def chunked_nll(model, ids, make_cache, chunk: int) -> tuple[float, int]:
     with torch.no_grad():
         for start in range(0, ids.shape[1] - 1, chunk):
             piece = ids[:, start: start + chunk]
-            logits = model(piece, past_key_values=cache, use_cache=True).logits.float()
+            logits = model(piece, **{CACHE_KW: cache}, use_cache=True).logits.float()
             target = ids[:, start + 1: start + 1 + piece.shape[1]]
             logits = logits[:, : target.shape[1]]
             if start > 0:
@@ -80,7 +84,7 @@ def greedy(model, prompt, make_cache, new: int):
     import torch
 
     with torch.no_grad():
-        out = model.generate(prompt, past_key_values=make_cache(), max_new_tokens=new, min_new_tokens=new,
+        out = model.generate(prompt, **{CACHE_KW: make_cache()}, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=0)
     return out[0, prompt.shape[1]:]
 

@@ -37,6 +37,10 @@ import hf_qattn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import median_ms  # noqa: E402
+import transformers  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 ROWS: list[dict] = []
 FAILED: list[str] = []
@@ -180,12 +184,12 @@ def llama_decode(args):
             count, reasons = None, ""
             if attn == "qattn":  # one static-cache decode step, as generate compiles it
                 cache = tf.StaticCache(config=model.config, max_cache_len=prompt + new)
-                logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=ids, **{CACHE_KW: cache}, use_cache=True).logits
                 token = logits[:, -1:].argmax(-1)
                 position = torch.tensor([prompt], device="cuda")
 
                 def step(token, position):
-                    return model(input_ids=token, past_key_values=cache, cache_position=position,
+                    return model(input_ids=token, **{CACHE_KW: cache}, cache_position=position,
                                  use_cache=True).logits
 
                 count, reasons = breaks(step, token, position)

@@ -31,6 +31,10 @@ import sys
 import traceback
 
 import torch
+import transformers  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 
 def parse_args(argv=None):
@@ -140,13 +144,13 @@ def check_captured_step(device, steps: int = 24) -> dict:
     runs = []
     for captured in (False, True):
         cache = hf_qattn.QAttnCache(model, static_max_len=300 + steps + 1)
-        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:]
+        logits = model(ids, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:]
         step = hf_qattn.CapturedDecodeStep(model, cache) if captured else None
         tokens, scores = [], []
         for _ in range(steps):
             token = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
-            logits = (step(token) if captured else model(token, past_key_values=cache, use_cache=True).logits)
+            logits = (step(token) if captured else model(token, **{CACHE_KW: cache}, use_cache=True).logits)
             scores.append(logits[:, -1].float().clone())
         runs.append((torch.cat(tokens, 1), torch.stack(scores, 1), cache.get_seq_length(),
                      [layer.storage().device_length.item() for layer in cache.layers]))

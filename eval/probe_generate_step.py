@@ -18,6 +18,9 @@ import torch
 import transformers as tf
 
 import hf_qattn
+from hf_qattn.kv_cache.captured import cache_argument
+
+CACHE_KW = cache_argument(tf.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 
 def build():
@@ -47,12 +50,12 @@ def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
             backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     with backends:
         ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
 
         def step():
             nonlocal token
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(token, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
 
         events, hosts = [], []
         for i in range(24):

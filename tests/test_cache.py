@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -11,6 +13,9 @@ import hf_qattn  # noqa: E402
 from hf_qattn.kv_cache import cache as qcache  # noqa: E402
 from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 from hf_qattn.plan import PRECISIONS, QAttnPlan  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 UNQUANTIZED = PRECISIONS[-1]  # the plan's name for "leave this layer in full precision"
 
@@ -54,8 +59,8 @@ def test_one_layer_per_decoder_layer(seed, monkeypatch, layer_types):
         assert cache.precisions() == ["int4"] * 8
     ids = torch.randint(1, 128, (1, 9))
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
-        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        out = model(ids, **{CACHE_KW: cache}, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), **{CACHE_KW: cache}, use_cache=True)
     assert [layer.get_seq_length() for layer in cache.layers] == [10] * 8
     # a config that under-reports its layers: the missing ones are created on demand
     short = hf_qattn.QAttnCache(llama_config(layers=1))
@@ -209,7 +214,7 @@ def _tiny_lm(attn="qattn", **overrides):
 
 def _greedy(model, ids, cache, steps):
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=steps, do_sample=False, pad_token_id=0,
+        out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=steps, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True, output_scores=True)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, dim=1)
 
@@ -248,7 +253,7 @@ def _teacher_forced_logits(model, ids, mask, cache, steps):
             positions = (full.cumsum(-1) - 1).clamp_min(0)
             chunk = ids if i == 0 else steps[:, i - 1: i]
             logits = model(chunk, attention_mask=full, position_ids=positions[:, -chunk.shape[1]:],
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+                           **{CACHE_KW: cache}, use_cache=True).logits[:, -1]
             out.append(logits)
     return torch.stack(out, dim=1)
 
@@ -284,9 +289,9 @@ def test_decode_step_matches_float64_attention_on_the_cache(seed):
     ids = torch.randint(1, 128, (2, 9))
     cache = hf_qattn.QAttnCache(model)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **{CACHE_KW: cache}, use_cache=True)
         step = torch.randint(1, 128, (2, 3))  # three tokens at once: causal, bottom-right
-        logits = model(step, past_key_values=cache, use_cache=True).logits
+        logits = model(step, **{CACHE_KW: cache}, use_cache=True).logits
     # replay: a DynamicCache holding the dequantized tokens of the quantized cache, eager attention in float32
     replay = transformers.DynamicCache(config=model.config)
     for index, layer in enumerate(cache.layers):
@@ -295,7 +300,7 @@ def test_decode_step_matches_float64_attention_on_the_cache(seed):
     eager = _tiny_lm(attn="eager")
     eager.load_state_dict(model.state_dict())
     with torch.no_grad():
-        ref = eager(step, past_key_values=replay, use_cache=True).logits
+        ref = eager(step, **{CACHE_KW: replay}, use_cache=True).logits
     # the step's own tokens are quantized in the QAttnCache and not in the replay: loose but meaningful bound
     assert torch.allclose(logits, ref, atol=0.05 * ref.abs().max().item()), (logits - ref).abs().max()
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
@@ -313,8 +318,8 @@ def test_gradients_fall_back_to_the_dequantized_cache(seed, fresh_stats):
     ids = torch.randint(1, 128, (1, 6))
     cache = hf_qattn.QAttnCache(model)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-    out = model(torch.randint(1, 128, (1, 1)), past_key_values=cache, use_cache=True)
+        model(ids, **{CACHE_KW: cache}, use_cache=True)
+    out = model(torch.randint(1, 128, (1, 1)), **{CACHE_KW: cache}, use_cache=True)
     out.logits.sum().backward()  # autograd: served in full precision from the dequantized cache
     assert fresh_stats()["fallbacks"]
 
@@ -322,8 +327,8 @@ def test_gradients_fall_back_to_the_dequantized_cache(seed, fresh_stats):
 def _stepped_logits(model, ids, cache, steps, step_fn=None):
     """Prefill, then one decode step per token of ``steps`` (B, S): the logits of every step's token."""
     with torch.no_grad():
-        out = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1]]
-        step_fn = step_fn or (lambda token: model(token, past_key_values=cache, use_cache=True).logits)
+        out = [model(ids, **{CACHE_KW: cache}, use_cache=True).logits[:, -1]]
+        step_fn = step_fn or (lambda token: model(token, **{CACHE_KW: cache}, use_cache=True).logits)
         for i in range(steps.shape[1]):
             out.append(step_fn(steps[:, i: i + 1])[:, -1].clone())
     return torch.stack(out, dim=1)
@@ -351,10 +356,12 @@ def test_static_storage_keeps_the_token_count_on_the_device(seed, plan):
     assert [layer.storage().device_length.item() for layer in static.layers] == [0, 0]
 
 
-def test_captured_decode_step_runs_the_step_it_captures(seed):
+def test_captured_decode_step_runs_the_step_it_captures(seed, monkeypatch):
     """CapturedDecodeStep's eager warm-up steps (the step it captures, with the token and positions in
-    fixed buffers) give the plain decode loop's logits; the capture itself needs CUDA (here: a clear
-    error), and the arguments are checked."""
+    fixed buffers) give the plain decode loop's logits; on a CPU cache it refuses to be built (CUDA
+    graphs), and the capture itself checks again; the arguments are checked."""
+    from hf_qattn.kv_cache import captured
+
     model = _tiny_lm()
     ids = torch.randint(1, 128, (2, 11))
     steps = torch.randint(1, 128, (2, 3))
@@ -362,6 +369,12 @@ def test_captured_decode_step_runs_the_step_it_captures(seed):
     cache = hf_qattn.QAttnCache(model, static_max_len=20)
     with pytest.raises(qcache.QAttnCacheError, match="prefill"):
         hf_qattn.CapturedDecodeStep(model, cache)
+    filled = hf_qattn.QAttnCache(model, static_max_len=20)
+    with torch.no_grad():
+        model(ids, **{CACHE_KW: filled}, use_cache=True)
+    with pytest.raises(qcache.QAttnCacheError, match="CUDA device; it is on cpu"):
+        hf_qattn.CapturedDecodeStep(model, filled)  # when built, not at the call that would capture
+    monkeypatch.setattr(captured, "_capture_device_ok", lambda device: True)  # the warm-up steps run anywhere
     holder = {}
 
     def step(token):
@@ -369,7 +382,9 @@ def test_captured_decode_step_runs_the_step_it_captures(seed):
             holder["step"] = hf_qattn.CapturedDecodeStep(model, cache, warmup=3)
         return holder["step"](token)
 
-    logits = _stepped_logits(model, ids, cache, steps, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the step passes the cache under the keyword the model documents
+        logits = _stepped_logits(model, ids, cache, steps, step)
     torch.testing.assert_close(logits, base, rtol=0, atol=1e-5)
     assert cache.get_seq_length() == 14
     # a step run on the cache by other code in between: the next step's position follows the cache
@@ -378,7 +393,7 @@ def test_captured_decode_step_runs_the_step_it_captures(seed):
     expected = _stepped_logits(model, ids, reference, torch.cat([steps, more], 1))[:, -1]
     with torch.no_grad():
         holder["step"] = hf_qattn.CapturedDecodeStep(model, cache, warmup=1)
-        model(more[:, :1], past_key_values=cache, use_cache=True)
+        model(more[:, :1], **{CACHE_KW: cache}, use_cache=True)
         torch.testing.assert_close(holder["step"](more[:, 1:])[:, -1], expected, rtol=0, atol=1e-5)
     assert cache.get_seq_length() == 16
     with pytest.raises(qcache.QAttnCacheError, match="CUDA"):

@@ -10,6 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hf_qattn
 from hf_qattn import ops
+import transformers  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 OP = torch.ops.hf_qattn.attention.default
 
@@ -166,11 +170,11 @@ def test_llama_static_cache_decode_step_without_breaks(tiny_model, fresh_stats):
     cache = tf.StaticCache(config=model.config, max_cache_len=24)
     ids = torch.randint(0, 128, (1, 6))
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=ids, **{CACHE_KW: cache}, use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
 
         def step(token, position):
-            return model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True).logits
+            return model(input_ids=token, **{CACHE_KW: cache}, cache_position=position, use_cache=True).logits
 
         explanation = torch._dynamo.explain(step)(token, torch.tensor([6]))
     assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]

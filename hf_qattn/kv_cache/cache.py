@@ -1,7 +1,7 @@
 """QAttnCache: a transformers KV cache stored quantized, read directly by the decode kernel.
 
     cache = hf_qattn.QAttnCache(model)                      # model loaded with attn_implementation="qattn"
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    out = model.generate(ids, cache=cache, max_new_tokens=256)   # past_key_values= before transformers 5.24
     cache.nbytes(), cache.nbytes(per_layer=True)            # bytes allocated (scales and centers included)
     cache.nbytes(used=True)                                 # the cached tokens' share of them
 

@@ -9,7 +9,7 @@ reads nothing from the host that changes between steps: a :class:`~hf_qattn.QAtt
 it, and this class keeps the token ids and positions in fixed buffers::
 
     cache = hf_qattn.QAttnCache(model, static_max_len=prompt_len + max_new_tokens)
-    logits = model(ids, past_key_values=cache, use_cache=True).logits   # the prefill runs eagerly
+    logits = model(ids, cache=cache, use_cache=True).logits             # the prefill runs eagerly
     step = hf_qattn.CapturedDecodeStep(model, cache)
     token = logits[:, -1:].argmax(-1)
     for _ in range(max_new_tokens):
@@ -24,9 +24,21 @@ The returned logits are a buffer the next call overwrites: clone them to keep th
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .attention import QAttnCacheError, _captured_step
+
+
+def cache_argument(model) -> str:
+    """The keyword under which ``model`` takes its cache: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _capture_device_ok(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 class CapturedDecodeStep:
@@ -37,7 +49,7 @@ class CapturedDecodeStep:
         cache: a :class:`~hf_qattn.QAttnCache` built with ``static_max_len`` and already filled by the
             prefill; every layer quantized (a plan's full-precision layers grow, and cannot be replayed).
         warmup: eager steps before the capture (they compile the kernels; at least 1). They run the
-            step exactly as captured, on any device; the capture itself needs CUDA.
+            step exactly as captured.
     """
 
     def __init__(self, model, cache, *, warmup: int = 1):
@@ -53,11 +65,15 @@ class CapturedDecodeStep:
             raise QAttnCacheError("CapturedDecodeStep needs QAttnCache(..., static_max_len=N): storage that "
                                   "never moves and a token count kept on the device")
         if any(not layer.is_initialized or layer.get_seq_length() == 0 for layer in cache.layers):
-            raise QAttnCacheError("run the prefill (model(ids, past_key_values=cache)) before CapturedDecodeStep")
+            raise QAttnCacheError("run the prefill (model(ids, cache=cache)) before CapturedDecodeStep")
+        if not _capture_device_ok(cache.layers[0].device):
+            raise QAttnCacheError(f"CapturedDecodeStep replays a CUDA graph and needs the cache on a CUDA device; "
+                                  f"it is on {cache.layers[0].device}")
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an int ≥ 1; got {warmup!r}")
         first = cache.layers[0]
         self.model, self.cache, self._warmup = model, cache, warmup
+        self._cache_kwargs = {cache_argument(model): cache}
         self.batch_size = first.batch_size
         self._ids = torch.zeros(self.batch_size, 1, device=first.device, dtype=torch.long)
         self._position = torch.full((1,), first.get_seq_length(), device=first.device, dtype=torch.long)
@@ -73,7 +89,7 @@ class CapturedDecodeStep:
         token = _captured_step.set(True)
         try:
             out = self.model(input_ids=self._ids, position_ids=self._position.expand(self.batch_size, 1),
-                             cache_position=self._position, past_key_values=self.cache, use_cache=True)
+                             cache_position=self._position, use_cache=True, **self._cache_kwargs)
         finally:
             _captured_step.reset(token)
         return out.logits
