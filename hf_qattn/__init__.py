@@ -7,6 +7,8 @@ Public API:
     fallback_stats()             where calls went, and why any fell back to full precision
     QAttnCache(model)            a quantized KV cache for generate (see hf_qattn.kv_cache)
     CapturedDecodeStep           a decode step over a static QAttnCache replayed from a CUDA graph
+    captured_generate            model.generate(..., custom_generate=hf_qattn.captured_generate): every
+                                 decode step replayed from a CUDA graph (see hf_qattn.kv_cache.generate)
     reset_fallback_stats()
 
 Importing hf_qattn registers ``attn_implementation="qattn"`` with transformers as soon as
@@ -74,4 +76,8 @@ def __getattr__(name):
         from .kv_cache.captured import CapturedDecodeStep
 
         return CapturedDecodeStep
+    if name == "captured_generate":
+        from .kv_cache.generate import captured_generate
+
+        return captured_generate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

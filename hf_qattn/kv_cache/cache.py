@@ -163,6 +163,16 @@ class QAttnLayer(CacheLayerMixin):
         if self._device_length is not None:
             self._device_length.add_(n)
 
+    def reserve(self, tokens: int) -> None:
+        """Static storage for ``tokens`` (as ``static_max_len``), set before the first fill: allocated
+        once, never moved, the token count kept on the device as well."""
+        if self.is_initialized:
+            if self.max_len is None or self.max_len < tokens:
+                raise QAttnCacheError(f"the cache layer is filled already ({self._capacity} tokens of storage); "
+                                      f"{tokens} tokens of static storage must be reserved before the first fill")
+            return
+        self.max_len = max(self.max_len or 0, tokens)
+
     def advance_after_replay(self, tokens: int = 1) -> None:
         """Count ``tokens`` appended by a replayed CUDA graph: the captured append already wrote them and
         advanced the device count; only the host count, which the graph cannot touch, moves here."""
@@ -336,6 +346,17 @@ class QAttnCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(self._make_layer(len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reserve(self, tokens: int) -> None:
+        """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``), before the first fill:
+        what a CUDA-graph decode step needs. Every layer must be quantized."""
+        others = sorted({type(layer).__name__ for layer in self.layers if not isinstance(layer, QAttnLayer)})
+        if others:
+            raise QAttnCacheError(f"static storage needs every cache layer quantized; this cache also has {others} "
+                                  "layers")
+        for layer in self.layers:
+            layer.reserve(tokens)
+        self._static_max_len = max(self._static_max_len or 0, tokens)
 
     def precisions(self) -> list[str]:
         """Storage of each layer: "int8", "int4", or the name of the unquantized layer class."""

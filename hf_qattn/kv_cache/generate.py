@@ -1,0 +1,121 @@
+"""``model.generate`` with its decode steps replayed from CUDA graphs: transformers' own call, no user loop.
+
+    cache = hf_qattn.QAttnCache(model)
+    ids = model.generate(ids, cache=cache, max_new_tokens=256, custom_generate=hf_qattn.captured_generate)
+
+transformers runs its preparation (generation config, logits processors, stopping criteria) and hands
+the decoding to :func:`captured_generate` (its documented ``custom_generate`` hook, called like its own
+``_sample``). That function sizes the cache's storage once for the prompt plus ``max_new_tokens``
+(static storage: no reallocation, a device-side token count), runs the prefill eagerly, and each later
+token through one :class:`~hf_qattn.CapturedDecodeStep` (one CUDA graph replay per token; on a CPU the
+same step runs eagerly). Greedy search and sampling use the processors transformers prepared, so the
+tokens are those of transformers' loop over the same cache.
+
+Why not transformers' compiled generation: its CUDA graphs come from ``torch.compile`` of the whole
+forward with the cache's Python state as guards; a QAttnLayer's host-side token count changes every
+step, so every step would recompile (or the layer would have to give up the host count that the
+eager path and ``get_seq_length`` rely on). The graph here is captured once, around a step whose
+only changing inputs live in device memory.
+
+What it does not replay (left padding: rows at different positions; requests for scores, logits,
+attentions or hidden states; a cache that is not a QAttnCache or was filled before): it warns once
+and runs transformers' own sampling loop on the same cache (eager qattn), counted in
+:func:`hf_qattn.fallback_stats` as ``captured_generate: <reason>``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..stats import record_degraded
+from .attention import QAttnCacheError
+from .captured import CapturedDecodeStep, cache_argument
+
+_OUTPUT_REQUESTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs) -> str | None:
+    from .cache import QAttnCache
+
+    if not isinstance(cache, QAttnCache):
+        return f"the cache is a {type(cache).__name__}, not an hf_qattn.QAttnCache"
+    if cache.get_seq_length() != 0:
+        return "the cache already holds tokens"
+    if model.config.is_encoder_decoder:
+        return "an encoder-decoder model"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return "a padded batch (rows at different positions)"
+    if generation_config.return_dict_in_generate and any(getattr(generation_config, name, False)
+                                                         for name in _OUTPUT_REQUESTS):
+        return "scores, logits, attentions or hidden states were requested"
+    return None
+
+
+def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """transformers' ``custom_generate`` entry: greedy search or sampling with each decode step replayed
+    from a CUDA graph over the QAttnCache passed as ``cache=`` (``past_key_values=`` before transformers
+    5.24). Returns what ``generate`` returns: the sequences, or a ``GenerateDecoderOnlyOutput`` holding
+    them (and the cache) when ``return_dict_in_generate``."""
+    keyword = cache_argument(model)
+    cache = model_kwargs.get(keyword)
+    reason = _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs)
+    if reason is None:
+        try:
+            cache.reserve(input_ids.shape[1] + _new_tokens(input_ids, generation_config))
+        except QAttnCacheError as error:
+            reason = str(error)
+    if reason is not None:  # counted, and warned once per reason
+        record_degraded(f"captured_generate: {reason}", "eager decode steps of transformers' loop, not the captured")
+        return type(model)._sample(model, input_ids, logits_processor=logits_processor,
+                                   stopping_criteria=stopping_criteria, generation_config=generation_config,
+                                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+
+    pad = generation_config._pad_token_tensor
+    has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    with torch.no_grad():
+        logits = model(input_ids, use_cache=True, **{keyword: cache}).logits[:, -1]
+        step = CapturedDecodeStep(model, cache) if input_ids.device.type == "cuda" else _EagerStep(model, cache)
+        while True:
+            scores = logits_processor(input_ids, logits.to(dtype=torch.float32, copy=True))
+            if generation_config.do_sample:
+                tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                tokens = scores.argmax(dim=-1)
+            if has_eos:
+                tokens = tokens * unfinished + pad * (1 - unfinished)
+            input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            if not bool(unfinished.any()):
+                break
+            logits = step(tokens[:, None])[:, -1]
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=input_ids, **{keyword: cache})
+    return input_ids
+
+
+def _new_tokens(input_ids, generation_config) -> int:
+    """The most tokens the stopping criteria let ``generate`` add (max_new_tokens, else max_length)."""
+    if generation_config.max_new_tokens is not None:
+        return generation_config.max_new_tokens
+    return max(0, generation_config.max_length - input_ids.shape[1])
+
+
+class _EagerStep:
+    """The captured step's call on a device without CUDA graphs: one eager forward per token."""
+
+    def __init__(self, model, cache):
+        self.model, self.kwargs = model, {cache_argument(model): cache}
+
+    def __call__(self, tokens):
+        return self.model(tokens, use_cache=True, **self.kwargs).logits

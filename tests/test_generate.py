@@ -1,0 +1,83 @@
+"""hf_qattn.captured_generate: transformers' generate with its decode steps run by the package (CUDA graphs on a GPU,
+eager steps here) gives the tokens of transformers' own loop over the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_qattn  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+from hf_qattn.plan import PRECISIONS, QAttnPlan  # noqa: E402
+
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="qattn").eval().to(DEVICE)
+
+
+def _generate(model, ids, captured: bool, **kwargs):
+    extra = {"custom_generate": hf_qattn.captured_generate} if captured else {}
+    return model.generate(ids, **{CACHE_KW: hf_qattn.QAttnCache(model)}, pad_token_id=0, **extra, **kwargs)
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=False), dict(do_sample=True, top_k=20, temperature=0.8)],
+                         ids=["greedy", "sampling"])
+def test_captured_generate_gives_transformers_tokens(seed, fresh_stats, options):
+    model = _model()
+    ids = torch.randint(1, 128, (2, 11), device=DEVICE)
+    torch.manual_seed(seed)
+    want = _generate(model, ids, False, max_new_tokens=9, **options)
+    torch.manual_seed(seed)
+    got = _generate(model, ids, True, max_new_tokens=9, **options)
+    assert got.shape == (2, 20) and torch.equal(got, want)
+    assert fresh_stats()["fallbacks"] == {}
+
+
+def test_captured_generate_stops_at_eos_and_pads_finished_rows(seed):
+    model = _model()
+    ids = torch.randint(1, 128, (2, 11), device=DEVICE)
+    free = _generate(model, ids, False, max_new_tokens=8, do_sample=False)
+    eos = int(free[0, 13])  # row 0's third new token ends its generation
+    want = _generate(model, ids, False, max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    got = _generate(model, ids, True, max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    assert torch.equal(got, want)
+    assert (got[0, 14:] == 0).all() or got.shape[1] == 14  # finished row padded (or everything stopped)
+
+
+def test_captured_generate_returns_a_dict_with_the_cache(seed):
+    model = _model()
+    ids = torch.randint(1, 128, (1, 7), device=DEVICE)
+    cache = hf_qattn.QAttnCache(model)
+    out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, custom_generate=hf_qattn.captured_generate)
+    assert out.sequences.shape == (1, 11)
+    # static storage sized for the prompt and max_new_tokens; the last token is not appended (no step needs it)
+    assert cache.layers[0].storage().capacity == 11 and cache.get_seq_length() == 10
+
+
+def test_what_it_cannot_replay_runs_transformers_loop_counted(seed, fresh_stats):
+    """A padded batch (rows at different positions) and a cache with full-precision layers: transformers' own
+    loop on the same cache, the same tokens, one warning and a count per reason."""
+    model = _model()
+    ids = torch.randint(1, 128, (2, 9), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    want = _generate(model, ids, False, max_new_tokens=5, do_sample=False, attention_mask=mask)
+    with pytest.warns(RuntimeWarning, match="padded batch"):
+        got = _generate(model, ids, True, max_new_tokens=5, do_sample=False, attention_mask=mask)
+    assert torch.equal(got, want)
+    mixed = hf_qattn.QAttnCache(model, plan=QAttnPlan(default="int8", layers={1: PRECISIONS[-1]}, num_layers=2))
+    with pytest.warns(RuntimeWarning, match="every cache layer quantized"):
+        model.generate(ids, **{CACHE_KW: mixed}, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       custom_generate=hf_qattn.captured_generate)
+    reasons = fresh_stats()["fallbacks"]
+    assert sorted(reasons) == ["captured_generate: a padded batch (rows at different positions)",
+                               "captured_generate: static storage needs every cache layer quantized; this cache "
+                               "also has ['DynamicLayer'] layers"]
