@@ -50,7 +50,11 @@ import time
 import traceback
 
 import torch
-import transformers  # noqa: E402
+import transformers
+
+if not torch.cuda.is_available():  # the kernels run under Triton's interpreter, set before they are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
@@ -86,6 +90,8 @@ def parse_args(argv=None):
                    help="skip timing hf_qattn.qattn over the bf16 cache (today's re-quantizing path)")
     p.add_argument("--skip-kernel", action="store_true")
     p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--generate-calls-only", action="store_true",
+                   help="generate level: only the model.generate calls (not the hand-timed decode loop)")
     p.add_argument("--prompts", default="4k,16k", help="prompt lengths, generate level")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps not timed")
@@ -475,6 +481,89 @@ def _kernel_ms_per_step(decode_step, token, steps: int = 4) -> float:
     return total_us / 1e3 / steps
 
 
+# the compiled mode last: on a CPU, Triton's interpreter fails in a process where inductor ran before
+GENERATE_CALLS = ("sdpa-flash, DynamicCache", "qattn, QAttnCache int8", "qattn, QAttnCache int8, captured_generate",
+                  "qattn, QAttnCache int4, captured_generate", "sdpa, static cache, compiled")
+
+
+def generate_call(model, ids, mode: str, new_tokens: int):
+    """One ``model.generate`` call as a user writes it (greedy, exactly ``new_tokens``): (ms, cache)."""
+    import transformers as tf
+
+    import hf_qattn
+
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    backends = contextlib.nullcontext()
+    if mode.startswith("sdpa"):
+        model.set_attn_implementation("sdpa")
+        if mode == "sdpa, static cache, compiled":  # transformers compiles the forward for a static cache
+            kwargs["cache_implementation"] = "static"
+            cache = None
+        else:
+            cache = tf.DynamicCache(config=model.config)
+            SDPBackend = torch.nn.attention.SDPBackend  # not cuDNN: it plans anew at every key length
+            backends = torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    else:
+        model.set_attn_implementation("qattn")
+        cache = hf_qattn.QAttnCache(model, plan=mode.split()[2].rstrip(","))
+        if mode.endswith("captured_generate"):
+            kwargs["custom_generate"] = hf_qattn.captured_generate
+    if cache is not None:
+        kwargs[CACHE_KW] = cache
+    with backends:
+        _sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, return_dict_in_generate=True, **kwargs)
+        _sync()
+    return (time.perf_counter() - t0) * 1e3, getattr(out, CACHE_KW, None) or cache
+
+
+def generate_call_rows(args, device, dtype):
+    """ms a token of ``model.generate`` itself: (time of N new tokens − time of 1) / (N − 1), after a
+    warm-up call of N (compiles, captures); cache bytes as allocated after the call."""
+    model = build_model(args, device, dtype)
+    rows = []
+    for prompt in parse_sizes(args.prompts):
+        ids = torch.randint(1, model.config.vocab_size, (1, prompt), device=device)  # 0 is the pad token
+        for mode in GENERATE_CALLS:
+            row = {"prompt": prompt, "mode": mode}
+            try:
+                generate_call(model, ids, mode, args.new_tokens)  # warm-up: compiles, captures
+                one, _ = generate_call(model, ids, mode, 1)
+                many, cache = generate_call(model, ids, mode, args.new_tokens)
+                row["ms_token"] = (many - one) / (args.new_tokens - 1)
+                row["cache_bytes"] = cache_bytes(cache) if cache is not None else None
+            except Exception as error:  # noqa: BLE001
+                row["error"] = f"{type(error).__name__}: {error}"[:160]
+                traceback.print_exc()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            log("generate call", row)
+            rows.append(row)
+    return rows
+
+
+def generate_call_table(rows) -> list[str]:
+    lines = ["| prompt | mode | ms a token | ×SDPA-flash eager | ×compiled static SDPA | cache MiB | cache/bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['prompt']} | {r['mode']} | error: {r['error']} | | | | |")
+            continue
+        same = [x for x in rows if x["prompt"] == r["prompt"] and "ms_token" in x]
+        flash = next((x for x in same if x["mode"].startswith("sdpa-flash")), None)
+        static = next((x for x in same if x["mode"].startswith("sdpa, static")), None)
+        mib = f"{r['cache_bytes'] / 2**20:.1f}" if r.get("cache_bytes") else "-"
+        rel = (f"{r['cache_bytes'] / flash['cache_bytes']:.3f}"
+               if r.get("cache_bytes") and flash and flash.get("cache_bytes") else "-")
+        lines.append(f"| {r['prompt']} | {r['mode']} | {r['ms_token']:.2f} | "
+                     f"{flash['ms_token'] / r['ms_token'] if flash else float('nan'):.2f} | "
+                     f"{static['ms_token'] / r['ms_token'] if static else float('nan'):.2f} | {mib} | {rel} |")
+    return lines
+
+
 def generate_rows(args, device, dtype):
     rows = []
     try:
@@ -604,7 +693,8 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     krows = [] if args.skip_kernel else kernel_rows(args, device, dtype)
     srows = sweep_rows(args, device, dtype) if args.sweep else []
-    grows = [] if args.skip_generate else generate_rows(args, device, dtype)
+    grows = [] if args.skip_generate or args.generate_calls_only else generate_rows(args, device, dtype)
+    crows = [] if args.skip_generate else generate_call_rows(args, device, dtype)
 
     lines = [f"# Decode with the quantized KV cache — {gpu}, {date}", "",
              f"torch {torch.__version__}; {args.dtype}; command: `python eval/bench_decode.py {' '.join(sys.argv[1:])}`", ""]
@@ -622,6 +712,15 @@ def main(argv=None) -> int:
         lines += [f"## Generate: Llama-3-8B-shaped, {args.layers} layers, random bf16 weights, batch 1, "
                   f"{args.new_tokens} new tokens (median decode step after {args.warmup_steps} warm-up steps)", ""]
         lines += generate_table(grows, args) + [""]
+    if crows:
+        lines += [f"## model.generate as users call it: Llama-3-8B-shaped, {args.layers} layers, random bf16 weights, "
+                  f"batch 1, greedy, {args.new_tokens} new tokens", "",
+                  "ms a token = (one call of N new tokens − one call of 1) / (N − 1), after a warm-up call; the cache "
+                  "as allocated after the call (the compiled static cache: not measured). Modes: SDPA flash with "
+                  "transformers' DynamicCache (eager); `cache_implementation=\"static\"` (transformers compiles the "
+                  "forward, CUDA graphs); qattn with `cache=QAttnCache(model)` (eager); the same with "
+                  "`custom_generate=hf_qattn.captured_generate`.", ""]
+        lines += generate_call_table(crows) + [""]
     text = "\n".join(lines)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"decode-{gpu.replace(' ', '-')}-{date}{'-tiny' if args.tiny else ''}.md")

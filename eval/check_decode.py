@@ -31,7 +31,11 @@ import sys
 import traceback
 
 import torch
-import transformers  # noqa: E402
+import transformers
+
+if not torch.cuda.is_available():  # the kernels run under Triton's interpreter, set before they are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before

@@ -116,8 +116,8 @@ def test_nbytes_and_the_memory_targets():
     centers = 2 * b * h * d * 4
     assert per_layer == [b * h * n * (d + d + 8) + centers, b * h * n * (d // 2 + d + 8) + centers]
     assert cache.nbytes(used=True) == sum(per_layer)
-    # allocated: whole blocks of 256 tokens, every byte of the layers' tensors counted
-    capacity = 256
+    # allocated: whole blocks of 16 tokens, every byte of the layers' tensors counted
+    capacity = 48
     assert cache.nbytes(per_layer=True) == [b * h * capacity * (d + d + 8) + centers,
                                             b * h * capacity * (d // 2 + d + 8) + centers]
     assert cache.nbytes() == sum(_tensor_bytes(layer) for layer in cache.layers)
@@ -136,24 +136,25 @@ def _tensor_bytes(layer) -> int:
                                                        store.v_bar))
 
 
-@pytest.mark.parametrize("prompt", [4096, 4000, 8192])
+@pytest.mark.parametrize("prompt", [4096, 4000, 8192, 300, 64])
 def test_generation_never_doubles_the_cache(prompt):
     """A prompt, then 256 tokens (the first alone, as generate's first step; then in 15 appends of 17):
-    the bytes allocated stay ≤ 0.56× (INT8 K) / ≤ 0.45× (INT4 K) of a bf16 cache of the same tokens
-    after every append, and nbytes() reports what is allocated. (Doubling the capacity at the first
-    generated token held 1.03× at a 4,096-token prompt.)"""
+    nbytes() reports what is allocated, which ends ≤ 0.56× (INT8 K) / ≤ 0.45× (INT4 K) of a bf16 cache of
+    the same tokens, and from 1,000 tokens on stays within those bounds after every append (below that a
+    16-token block is more than the bounds' slack). Doubling the capacity at the first generated token
+    held 1.03× at a 4,096-token prompt."""
     b, h, d = 1, 1, 128
     bf16_per_token = b * h * d * 2 * 2
     for precision, bound in (("int8", 0.56), ("int4", 0.45)):
         layer = qcache.QAttnLayer(precision)
         layer.update(*_states(b, h, prompt, d))
-        worst = 0.0
         for tokens in [1] + [17] * 15:
             layer.update(*_states(b, h, tokens, d))
             allocated = _tensor_bytes(layer)
             assert layer.nbytes() == allocated
-            worst = max(worst, allocated / (bf16_per_token * layer.get_seq_length()))
-        assert worst <= bound, (precision, prompt, worst)
+            ratio = allocated / (bf16_per_token * layer.get_seq_length())
+            assert ratio <= bound or layer.get_seq_length() < 1000, (precision, layer.get_seq_length(), ratio)
+        assert layer.get_seq_length() == prompt + 256 and ratio <= bound, (precision, prompt, ratio)
         assert layer.nbytes(used=True) <= layer.nbytes()
 
 

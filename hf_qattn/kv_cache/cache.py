@@ -47,12 +47,12 @@ except ImportError:  # transformers < 5: the cache is unavailable, the rest of h
     DynamicLayer = DYNAMIC_LAYER_TYPE_MAPPING = get_layer_types_and_kwargs = None
 
 CENTER_SAMPLE = 256
-# Growth of a layer's storage (without static_max_len): whole blocks of 256 tokens, and at least a
-# sixteenth of what is held, so appending one token at a time reallocates (and copies) every L/16
-# tokens, while what is allocated stays within 1/16 of what is used — doubling (the usual rule)
-# would hold twice the bytes of a 4k prompt from its first generated token on, more than a bf16
-# cache of the same tokens.
-_BLOCK_TOKENS = 256
+# Growth of a layer's storage (without static_max_len): whole blocks of 16 tokens (the per-token scales'
+# strides stay divisible by 16, so no kernel meets a new specialization), and at least a sixteenth of
+# what is held, so appending one token at a time reallocates (and copies) every L/16 tokens while what
+# is allocated stays within about 1/16 of what is used — doubling (the usual rule) would hold twice the
+# bytes of a 4k prompt from its first generated token on, more than a bf16 cache of the same tokens.
+_BLOCK_TOKENS = 16
 _GROWTH_DIVISOR = 16
 
 

@@ -67,7 +67,7 @@ def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stop
         except QAttnCacheError as error:
             reason = str(error)
     if reason is not None:  # counted, and warned once per reason
-        record_degraded(f"captured_generate: {reason}", "eager decode steps of transformers' loop, not the captured")
+        record_degraded(f"captured_generate: {reason}", "eager (transformers' decoding loop)")
         return type(model)._sample(model, input_ids, logits_processor=logits_processor,
                                    stopping_criteria=stopping_criteria, generation_config=generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
