@@ -54,7 +54,8 @@ def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int | torch.Tensor, *, int4
 # MAX_SPLITS: the last split program merges splits one by one, a tail that grows with them
 #   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md).
 # maxnreg: a register cap, so more programs share an SM without spills
-#   (decode-regs-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23.md).
+#   (decode-regs-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23.md, head dim 128); not above head dim 128, where
+#   the INT4 tile of several query tokens needs more (ptxas refused d256 INT4 with 3 query tokens).
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -156,7 +157,9 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
         part_o = part_m = part_l = counter = None
     extra = {} if num_stages is None else {"num_stages": num_stages}
     settings = tuning.decode_config(interp or q.device.type != "cuda")
-    extra.update(tuning.register_cap(settings["maxnreg"] if maxnreg is None else maxnreg))
+    if maxnreg is None:
+        maxnreg = settings["maxnreg"] if d_pad <= 128 else 0
+    extra.update(tuning.register_cap(maxnreg))
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),

@@ -298,3 +298,17 @@ def test_a_growing_cache_compiles_no_new_decode_kernel():
         step(nk)
     assert len(kernel_cache) == compiled
 
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_head_dim_256_with_several_query_tokens(seed, precision):
+    """d256, three query tokens, GQA 16:1, splits: compiles on the GPU (the d128 register cap made ptxas refuse
+    INT4) and matches the reference."""
+    k, v = outlier_kv(2, 1, 300, 256)
+    st = fill(k, v, precision)
+    q = torch.randn(2, 16, 3, 256, device=DEVICE, dtype=torch.bfloat16)
+    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 300,
+                               int4=precision == "int4", block_n=16 if DEVICE == "cpu" else None)
+    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 300,
+                                        precision=precision)
+    assert mismatch(out, ref) is None
+
