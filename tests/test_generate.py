@@ -58,8 +58,9 @@ def test_captured_generate_returns_a_dict_with_the_cache(seed):
     out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, do_sample=False, pad_token_id=0,
                          return_dict_in_generate=True, custom_generate=hf_qattn.captured_generate)
     assert out.sequences.shape == (1, 11)
-    # static storage sized for the prompt and max_new_tokens; the last token is not appended (no step needs it)
-    assert cache.layers[0].storage().capacity == 11 and cache.get_seq_length() == 10
+    # static storage for the prompt and max_new_tokens, in whole 16-token blocks; the last token is not
+    # appended (no step needs it)
+    assert cache.layers[0].storage().capacity == 16 and cache.get_seq_length() == 10
 
 
 def test_what_it_cannot_replay_runs_transformers_loop_counted(seed, fresh_stats):

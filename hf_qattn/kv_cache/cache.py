@@ -171,7 +171,9 @@ class QAttnLayer(CacheLayerMixin):
                 raise QAttnCacheError(f"the cache layer is filled already ({self._capacity} tokens of storage); "
                                       f"{tokens} tokens of static storage must be reserved before the first fill")
             return
-        self.max_len = max(self.max_len or 0, tokens)
+        # whole blocks: the scales' strides stay divisible by 16, as every other capacity's (no new kernel
+        # specialization for a generate of an odd length)
+        self.max_len = max(self.max_len or 0, -(-tokens // _BLOCK_TOKENS) * _BLOCK_TOKENS)
 
     def advance_after_replay(self, tokens: int = 1) -> None:
         """Count ``tokens`` appended by a replayed CUDA graph: the captured append already wrote them and
