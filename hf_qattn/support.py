@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from . import stats
-from .kernels import settings
+from .kernels import settings, tuning
 
 # -- the path vocabulary -------------------------------------------------------------------------
 HOPPER = "hopper"
@@ -137,11 +137,15 @@ def _hopper_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
     return None
 
 
+REASON_CPU_WITHOUT_INTERPRETER = ("CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing "
+                                  "hf_qattn), or backend='reference'")
+
+
 def _triton_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
     if not triton_available():
         return "Triton is not installed"
-    if q.device.type != "cuda":
-        return None  # CPU tensors: the Triton interpreter (TRITON_INTERPRET=1)
+    if q.device.type != "cuda":  # CPU tensors run only under the Triton interpreter
+        return None if tuning.interpreting() else REASON_CPU_WITHOUT_INTERPRETER
     if capability(q.device) < (8, 0):
         return "GPU compute capability below 8.0"
     if q.shape[-1] > MAX_KERNEL_HEAD_DIM:

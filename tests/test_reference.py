@@ -265,3 +265,13 @@ def test_metrics():
     assert math.isnan(accuracy(torch.full((3,), float("nan")), torch.ones(3)).cos_sim)
     with pytest.raises(ValueError, match="same shape"):
         accuracy(r, r[:5])
+
+
+def test_triton_backend_on_cpu_without_the_interpreter_is_one_clear_error(monkeypatch, fresh_stats):
+    """Was: Triton's raw "0 active drivers" error, and the call counted as a triton call."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        hf_qattn.qattn(q, q, q, backend="triton")
+    assert fresh_stats()["calls"] == {}
+
