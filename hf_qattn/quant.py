@@ -131,11 +131,15 @@ def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tup
 
 
 def quantize_p(p_scaled: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantize P̃·P_SCALE[fmt] (values in [0, P_SCALE]) to ``fmt``, returned as float32."""
+    """Quantize P̃·P_SCALE[fmt] (values in [0, P_SCALE]) to ``fmt``, returned as float32.
+
+    FP8 saturates at the format's largest value, as the kernels' conversion does (``satfinite``): with
+    scores beyond 2^24 in magnitude, float32 rounds s − (m − log2 P_SCALE) above log2 P_SCALE, and a
+    plain cast (torch 2.11) would make NaN of it."""
     if fmt == "none":
         return p_scaled
     if fmt == "fp16":
         return p_scaled.to(torch.float16).float()
     if fmt == "int8":
         return torch.round(p_scaled)
-    return p_scaled.to(FLOAT_DTYPE[fmt]).float()
+    return p_scaled.clamp(max=FLOAT_MAX[fmt]).to(FLOAT_DTYPE[fmt]).float()

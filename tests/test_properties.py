@@ -17,7 +17,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 triton = pytest.importorskip("triton")
 
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st  # noqa: E402
 
 import hf_qattn  # noqa: E402
 from hf_qattn import reference  # noqa: E402
@@ -163,6 +163,9 @@ def test_kernel_matches_reference_on_random_cases(case):
 
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases())
+# scores near 2^27: float32 rounds P above 448; torch 2.11's FP8 cast made NaN of it (found on the H100)
+@example(case={"b": 2, "hq": 2, "hk": 2, "nq": 40, "nk": 15, "d": 32, "dtype": torch.float16, "causal": False,
+               "qk": "int4", "dist": "huge", "seed": 771642, "normalized": False, "kv_range": ([14, 2], [14, 9])})
 def test_reference_path_is_finite_and_layout_exact(case):
     """The CPU path (``backend="reference"``, the H100's tiles): finite, and both layouts bit-identical."""
     q, k, v, ranges = make_inputs(case)
