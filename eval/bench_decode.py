@@ -718,7 +718,7 @@ def main(argv=None) -> int:
                   f"batch 1, greedy, {args.new_tokens} new tokens", "",
                   "ms a token = (one call of N new tokens − one call of 1) / (N − 1), each the faster of two calls, "
                   "after a warm-up call; the cache "
-                  "as allocated after the call (the compiled static cache: not measured). Modes: SDPA flash with "
+                  "as allocated after the call. Modes: SDPA flash with "
                   "transformers' DynamicCache (eager); `cache_implementation=\"static\"` (transformers compiles the "
                   "forward, CUDA graphs); qattn with `cache=QAttnCache(model)` (eager); the same with "
                   "`custom_generate=hf_qattn.captured_generate`.", ""]
