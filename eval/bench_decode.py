@@ -408,7 +408,7 @@ def generate_run(model, ids, mode: str, new_tokens: int, warmup: int):
         cache = tf.DynamicCache(config=model.config)
         if mode.startswith("sdpa-flash") and torch.cuda.is_available():
             # torch picks cuDNN attention on the H100, which builds an execution plan for every new key
-            # length, i.e. at every decode step (≈ 8 ms a layer on the host, eval/probe_generate_step.py)
+            # length, i.e. at every decode step (≈ 8 ms a layer on the host, eval/studies/probe_generate_step.py)
             SDPBackend = torch.nn.attention.SDPBackend
             backends = torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     else:

@@ -18,19 +18,17 @@ import datetime
 import json
 import os
 import platform
-import sys
 
 import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from synthetic import outlier_qkv  # noqa: E402
+import hf_qattn
+from hf_qattn import reference
+from hf_qattn.kernels import launch, tuning
+from hf_qattn.calibration.metrics import accuracy
 
-import hf_qattn  # noqa: E402
-from hf_qattn import reference  # noqa: E402
-from hf_qattn.kernels import launch, tuning  # noqa: E402
-from hf_qattn.calibration.metrics import accuracy  # noqa: E402
+from synthetic import outlier_qkv  # eval/synthetic.py
 
 SDPA = torch.nn.attention.SDPBackend
 

@@ -33,12 +33,9 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from calibration_study import DATA, DEFAULT_MODEL, windows  # noqa: E402
-import transformers  # noqa: E402
-from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+import transformers
+from hf_qattn.kv_cache.captured import cache_argument
+from wikitext import DATA, DEFAULT_MODEL, windows  # eval/wikitext.py
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 

@@ -33,12 +33,12 @@ import traceback
 import torch
 
 # the installed package (eval/device_run.sh installs the wheel: the source tree has no hf_qattn.kernels)
-import hf_qattn
+import transformers
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_models import median_ms  # noqa: E402
-import transformers  # noqa: E402
-from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+import hf_qattn
+from hf_qattn.kv_cache.captured import cache_argument
+
+from bench_models import median_ms  # eval/bench_models.py
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 

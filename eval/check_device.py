@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import pathlib
 import sys
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accuracy_length import hopper as hopper_at_pv_tiles, inputs as length_inputs, reference_rows  # noqa: E402
-from check_report import finish  # noqa: E402
-from synthetic import outlier_qkv  # noqa: E402
+from hf_qattn import reference
+from hf_qattn.kernels import launch, tuning
+from hf_qattn.calibration.metrics import accuracy
 
-from hf_qattn import reference  # noqa: E402
-from hf_qattn.kernels import launch, tuning  # noqa: E402
-from hf_qattn.calibration.metrics import accuracy  # noqa: E402
+from accuracy_length import hopper as hopper_at_pv_tiles, inputs as length_inputs, reference_rows  # eval/
+from check_report import finish
+from synthetic import outlier_qkv
 
 
 def cases():

@@ -1,6 +1,6 @@
 """GPU check and timing of ``kernels/fast_launch.py``: the same results as Triton's launch, less host time.
 
-    bash eval/device_run.sh bash -c 'cd eval && python3 check_fast_launch.py --out $OUT'
+    bash eval/device_run.sh bash -c 'python3 eval/check_fast_launch.py --out $OUT'
 
 1. Correctness: a list of qattn calls (Hopper and portable kernels: head dims 64/96/128/256, causal,
    GQA, Nq = 1, N not a multiple of any tile, kv ranges, NHD, bf16, return_lse) and decode-cache

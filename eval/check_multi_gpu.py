@@ -12,7 +12,6 @@ Prints one line per check and a PASS/FAIL table; exits non-zero on a failure.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import tempfile
@@ -20,11 +19,10 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_report import finish  # noqa: E402
+import hf_qattn
+from hf_qattn.reference import exact_attention
 
-import hf_qattn  # noqa: E402
-from hf_qattn.reference import exact_attention  # noqa: E402
+from check_report import finish  # eval/check_report.py
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -36,13 +36,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from synthetic import outlier_qkv  # noqa: E402
+import hf_qattn
+from hf_qattn import reference
+from hf_qattn.evaluation.layer_accuracy import capture_attention_inputs, per_layer_accuracy, per_layer_table, text_windows  # noqa: E501
+from hf_qattn.calibration.metrics import accuracy
 
-import hf_qattn  # noqa: E402
-from hf_qattn import reference  # noqa: E402
-from hf_qattn.evaluation.layer_accuracy import capture_attention_inputs, per_layer_accuracy, per_layer_table, text_windows  # noqa: E402,E501
-from hf_qattn.calibration.metrics import accuracy  # noqa: E402
+from synthetic import outlier_qkv  # eval/synthetic.py
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "wikitext2", "valid.txt")
 DEFAULTS = dict(qk="int4", pv="fp8_e4m3", block_m=64, block_n=64, warp_rows=16, q_granularity="warp",

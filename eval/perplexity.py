@@ -42,7 +42,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = os.path.join(HERE, "lm_eval_tasks")
-sys.path.insert(0, HERE)
 sys.path.insert(0, TASKS)
 
 MODES = ("sdpa", "int8", "int4", "plan")

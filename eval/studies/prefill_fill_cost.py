@@ -1,6 +1,6 @@
 """What filling the quantized KV cache costs at prefill, next to the prefill attention it accompanies (H100).
 
-    bash eval/device_run.sh bash -c 'cd eval && python3 prefill_fill_cost.py'
+    bash eval/device_run.sh python3 eval/studies/prefill_fill_cost.py
 
 QAttnCache quantizes the prompt's K/V once more when it stores them (the append kernel: per-token
 scales, a format the prefill kernel's per-tile K/V pass does not produce). Per layer of a
@@ -10,12 +10,17 @@ and of the layer's causal qattn prefill call, each from a CUDA graph.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 import hf_qattn
 from hf_qattn.kv_cache import reference as kv_reference
 from hf_qattn.kernels import decode_launch
-from profile_call import graph_ms
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from profile_call import graph_ms  # noqa: E402
 
 
 def main() -> None:

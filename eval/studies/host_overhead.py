@@ -1,6 +1,6 @@
 """What the host spends to issue one qattn call, piece by piece (H100; the GPU held busy, so only issue time).
 
-    bash eval/device_run.sh bash -c 'cd eval && python3 host_overhead.py --out $OUT'
+    bash eval/device_run.sh bash -c 'python3 eval/studies/host_overhead.py --out $OUT'
 
 Prints µs per operation: a qattn call (B1 H32 N1k d128 fp16) and its pieces — the three launches
 through Triton's JIT path, the same launches with their arguments already bound (the compiled
@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 
 import torch
 
 import hf_qattn
 from hf_qattn.kernels import decode_launch, launch, tuning
-from profile_call import host_us
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from profile_call import host_us  # noqa: E402
 
 
 def bound_launch(jit_fn, grid, args, kwargs):

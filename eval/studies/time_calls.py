@@ -1,6 +1,6 @@
 """Time a fixed list of qattn calls from whichever hf_qattn is importable: for A/B runs of two builds.
 
-    python3 time_calls.py LABEL [SHAPE ...]   # one line per shape: LABEL, shape, eager ms, graph ms
+    python3 eval/studies/time_calls.py LABEL [SHAPE ...]   # one line per shape: LABEL, shape, eager ms, graph ms
 
 Run it alternately under two installs (PYTHONPATH=/tmp/a ..., PYTHONPATH=/tmp/b ...) in one session,
 so both builds see the same GPU, clocks and host, and compare medians of the repeated lines. Eager: ``triton.testing.do_bench`` median of back-to-back calls; graph: the same call

@@ -1,6 +1,6 @@
 """Decode kernel: register cap × pipeline stages × waves, at B8 Hq32/Hk8 d128 (one GPU run).
 
-    bash eval/device_run.sh bash -c 'cd eval && python3 decode_regs_sweep.py'
+    bash eval/device_run.sh python3 eval/studies/decode_regs_sweep.py
 
 Nsight Compute (eval/results/ncu/ncu-decode-*.txt) shows the kernel at 144 registers a thread, so 3
 programs of 4 warps an SM (18.75 % occupancy) and 64 % (INT8) / 38 % (INT4) of DRAM bandwidth at L64k:
@@ -11,13 +11,17 @@ fit an SM (0: no cap). Prints µs a step per configuration, with the compiled ke
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import torch
 
-from bench_decode import fill_cache, time_us
 from hf_qattn.kernels import decode_launch
 from hf_qattn.kernels.decode import decode_kernel
 from hf_qattn.kernels.fast_launch import fast
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from bench_decode import fill_cache, time_us  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """One zero-mean K outlier channel (issue 15, item 8): what fixes it, measured on the CPU.
 
-    python eval/outlier_channel_study.py
+    python eval/studies/outlier_channel_study.py
 
 The input: B1 H2 N512 d64 fp16, Gaussian Q/K/V, K channel 5 = ±6e4 on alternating tokens (zero mean,
 so smoothing cannot remove it). Printed: the cosine of each variant's output to float64 attention.

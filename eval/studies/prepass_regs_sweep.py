@@ -1,6 +1,6 @@
 """The K/V pre-pass of the Hopper path (centers launch + K/V pass): register caps, GPU time (CUDA graph).
 
-    bash eval/device_run.sh bash -c 'cd eval && python3 prepass_regs_sweep.py'
+    bash eval/device_run.sh python3 eval/studies/prepass_regs_sweep.py
 
 Nsight Compute (eval/results/ncu/ncu-prefill-1k-*.txt, B4 H32 N1k d128) shows the centers launch at 155
 registers a thread and the K/V pass at 210 (12.5–18.75 % occupancy), moving 49 % / 57 % of the DRAM
@@ -10,12 +10,17 @@ peak. Times ``launch.quantize_kv`` as the Hopper path calls it with register cap
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from hf_qattn.kernels import launch, tuning
 from hf_qattn.kernels.fast_launch import fast
 from hf_qattn.kernels.quantize import centers_kernel, quantize_kv_kernel
-from profile_call import graph_ms
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from profile_call import graph_ms  # noqa: E402
 
 SHAPES = [("B4 H32 N1k d128", 4, 32, 1024, 128, torch.float16), ("B4 H32 N2k d128", 4, 32, 2048, 128, torch.float16),
           ("B4 H32 N8k d128", 4, 32, 8192, 128, torch.float16), ("B4 H32 N1k d64", 4, 32, 1024, 64, torch.float16),

@@ -1,6 +1,6 @@
 """How much of int4's perplexity loss can any per-layer ranking buy back? An oracle bound for issue 13.
 
-    python eval/oracle_recovery.py [--test-windows 2] [--test-len 512] [--ratios 0.1,0.3,0.5]   # ~25 min, CPU
+    python eval/studies/oracle_recovery.py [--test-windows 2] [--test-len 512] [--ratios 0.1,0.3,0.5]   # ~25 min, CPU
 
 On the *test* windows themselves (so this is a bound, not a calibration: no plan made this way is fair
 to report as calibrated), SmolLM2-135M-Instruct's token perplexity is measured with every layer int4
@@ -19,9 +19,10 @@ import datetime
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from calibration_study import DATA, DEFAULT_MODEL, perplexity, windows  # noqa: E402
+EVAL = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, EVAL)  # eval/: shared helpers
+from calibration_study import perplexity  # noqa: E402  (beside this file)
+from wikitext import DATA, DEFAULT_MODEL, windows  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     date = datetime.date.today().isoformat()
     name = "oracle-recovery" if args.rank_on == "test" else "ppl-gain-calibration"
-    out = args.out or os.path.join(HERE, "results", f"{name}-cpu-{date}.md")
+    out = args.out or os.path.join(EVAL, "results", f"{name}-cpu-{date}.md")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
     layers = model.config.num_hidden_layers
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         ranked_on = ("the same windows (an oracle: a bound, not a calibration)" if args.rank_on == "test" else
                      f"{args.rank_windows} WikiText-2 *validation* windows of {args.test_len} tokens (a calibration)")
         lines = [f"# Plan recovery with layers ranked by perplexity gain — SmolLM2-135M-Instruct, CPU reference, {date}",
-                 "", f"`python eval/oracle_recovery.py --test-windows {args.test_windows} --test-len {args.test_len} "
+                 "", f"`python eval/studies/oracle_recovery.py --test-windows {args.test_windows} --test-len {args.test_len} "
                  f"--rank-on {args.rank_on}`: token perplexity on WikiText-2 *test* windows; each layer alone at int8 "
                  f"(rest int4), ranked by its perplexity on {ranked_on}.", ""]
         lines += ["| mode | token perplexity | recovery of int4's increase |", "|---|---|---|"]

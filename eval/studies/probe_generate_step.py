@@ -1,6 +1,6 @@
 """Where does one decode step of bench_decode's 8-layer model spend its time? Times steps and profiles.
 
-    bash eval/device_run.sh python3 eval/probe_generate_step.py [PROMPT [MODES [cprofile]]]   e.g. 16384 qattn,flash
+    bash eval/device_run.sh python3 eval/studies/probe_generate_step.py [PROMPT [MODES [cprofile]]]   e.g. 16384 qattn,flash
 
 Modes: ``sdpa`` (cuDNN) and ``flash`` (SDPA's flash backend) + DynamicCache, ``qattn`` + QAttnCache (int8).
 Prefill a prompt, then 24 greedy steps, each timed by CUDA events (what bench_decode reports) and by the

@@ -1,8 +1,8 @@
 """Which calibration objective earns its 8-bit layers? Per-layer attention score vs end-to-end KL, and plan perplexity.
 
-    python eval/calibration_study.py                       # SmolLM2-135M-Instruct, CPU: ~20 min on 2 cores
-    python eval/calibration_study.py --ratios 0.3 --test-windows 2 --test-len 512
-    python eval/calibration_study.py --objectives ppl-gain --cal-windows 16 --cal-len 512 --test-windows 8 \
+    python eval/studies/calibration_study.py                       # SmolLM2-135M-Instruct, CPU: ~20 min on 2 cores
+    python eval/studies/calibration_study.py --ratios 0.3 --test-windows 2 --test-len 512
+    python eval/studies/calibration_study.py --objectives ppl-gain --cal-windows 16 --cal-len 512 --test-windows 8 \
         --chunks 4 --batch-size 1                       # ppl-gain vs attention, and recovery vs calibration text
 
 1. Calibrates SmolLM2 on ``--cal-windows`` windows of ``--cal-len`` tokens of WikiText-2 *validation* text with
@@ -39,22 +39,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_MODEL = os.path.expanduser("~/.cache/hf_qattn/models/SmolLM2-135M-Instruct")
-DATA = "/work/shared/data/wikitext2"
-
-
-def windows(tokenizer, path: str, count: int, length: int, chars: int = 400_000):
-    """``count`` windows of ``length`` tokens, spread evenly over the start of the file's token stream."""
-    import torch
-
-    with open(path, encoding="utf-8") as f:
-        text = f.read(chars)
-    ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
-    need = count * length
-    if ids.numel() < need:
-        raise SystemExit(f"{path}: only {ids.numel()} tokens in the first {chars} characters; need {need}")
-    stride = (ids.numel() - length) // max(count - 1, 1) if count > 1 else 0
-    return torch.stack([ids[i * stride : i * stride + length] for i in range(count)])
+EVAL = os.path.dirname(HERE)
+sys.path.insert(0, EVAL)  # eval/: shared helpers
+from wikitext import DATA, DEFAULT_MODEL, windows  # noqa: E402
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -130,7 +117,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     date = datetime.date.today().isoformat()
-    out = args.out or os.path.join(HERE, "results", f"calibration-study-cpu-{date}.md")
+    out = args.out or os.path.join(EVAL, "results", f"calibration-study-cpu-{date}.md")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
     num_layers = model.config.num_hidden_layers
@@ -253,7 +240,7 @@ def write_report(path: str, state: dict) -> None:
     with open(os.path.splitext(path)[0] + ".json", "w", encoding="utf-8") as f:
         json.dump(state, f, indent=1)
     lines = [f"# Calibration objectives on {os.path.basename(state['model'])} (cpu, {state['date']})", "",
-             "Produced by `python eval/calibration_study.py` (" + " ".join(sys.argv[1:]) + ")", "",
+             "Produced by `python eval/studies/calibration_study.py` (" + " ".join(sys.argv[1:]) + ")", "",
              f"- model: `{os.path.basename(state['model'])}`, {state['layers']} layers, float32",
              f"- calibration: {state['calibration']} (all objectives on the same tokens)",
              f"- test: {state['test']}; token-level perplexity from the model's own loss (not lm-eval's word "
