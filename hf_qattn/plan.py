@@ -13,6 +13,7 @@ Stored as a JSON-friendly dict under the config key ``qattn_plan`` (``PLAN_CONFI
     {"version": 1, "default": "int4",          # unlisted layers (DEFAULT_PRECISION when absent)
      "layers": {"3": "int8"},                    # layer index → precision
      "steps": {"0": {"5": "int8"}},              # step → layer index → precision (diffusion)
+     "split_channel": [5],                       # layers whose K has an outlier channel (computed in float)
      "num_layers": 12, "num_steps": 50,          # the model / run the plan was made for
      "meta": {"ratio": 0.3, ...}}                 # free-form provenance (calibration settings)
 
@@ -102,6 +103,10 @@ class QAttnPlan:
     num_layers: int | None = None
     num_steps: int | None = None
     meta: dict = field(default_factory=dict)
+    # layers where calibration found a K channel that smoothing cannot tame (hf_qattn.quant.split_channel):
+    # their kernels compute it in float outside the integer product (qattn's split_channel); elsewhere
+    # the split path's cost is not paid
+    split_channel: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.validate()
@@ -117,6 +122,10 @@ class QAttnPlan:
             if entry is not None:
                 return entry
         return self.layers.get(layer, self.default)
+
+    def splits(self, layer: int | None) -> bool:
+        """Whether ``layer`` computes its K outlier channel apart (see ``split_channel``)."""
+        return layer in self.split_channel
 
     # -- checks and (de)serialization ----------------------------------------------------------
     def validate(self, num_layers: int | None = None) -> "QAttnPlan":
@@ -139,10 +148,13 @@ class QAttnPlan:
             steps[step] = {layer: _precision(prec, f"qattn_plan.steps[{step}][{layer}]")
                            for layer, prec in _indexed(entries, f"qattn_plan.steps[{step}]", limit).items()}
         self.steps = steps
+        if isinstance(self.split_channel, (str, bytes)) or not isinstance(self.split_channel, (list, tuple, set)):
+            raise PlanError(f"qattn_plan.split_channel must be a list of layer indices; got {self.split_channel!r}")
+        self.split_channel = sorted({_index(layer, "qattn_plan.split_channel", limit) for layer in self.split_channel})
         return self
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "version": PLAN_VERSION,
             "default": self.default,
             "layers": {str(k): v for k, v in sorted(self.layers.items())},
@@ -151,6 +163,9 @@ class QAttnPlan:
             "num_steps": self.num_steps,
             "meta": dict(self.meta),
         }
+        if self.split_channel:  # written only when there is one: plans without stay as they were
+            data["split_channel"] = list(self.split_channel)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping, num_layers: int | None = None) -> "QAttnPlan":
@@ -161,7 +176,8 @@ class QAttnPlan:
         version = data.get("version")
         if version != PLAN_VERSION:
             raise PlanError(f"qattn_plan.version must be {PLAN_VERSION}; got {version!r}")
-        unknown = set(data) - {"version", "default", "layers", "steps", "num_layers", "num_steps", "meta"}
+        unknown = set(data) - {"version", "default", "layers", "steps", "split_channel", "num_layers", "num_steps",
+                               "meta"}
         if unknown:
             raise PlanError(f"qattn_plan has unknown keys {sorted(unknown)}")
         for key in ("layers", "steps", "meta"):
@@ -174,6 +190,7 @@ class QAttnPlan:
             num_layers=data.get("num_layers"),
             num_steps=data.get("num_steps"),
             meta=dict(data.get("meta", {})),
+            split_channel=data.get("split_channel", []),
         )
         return plan.validate(num_layers)
 

@@ -58,3 +58,60 @@ def test_inputs_without_an_outlier_are_unchanged(seed):
         split = reference.quantized_attention(q, k, v, is_causal=causal, split_channel=True)
         plain = reference.quantized_attention(q, k, v, is_causal=causal)
         assert torch.equal(split, plain)
+
+
+def _llama_with_an_outlier_channel(size: float = 1e4):
+    """A tiny Llama whose layer 0 keys have, after RoPE, channel 0 of kv head 0 at ±size on alternating tokens
+    (the issue's zero-mean outlier, which smoothing cannot remove): k_proj's output gets, at position p, the
+    pre-RoPE pair (channels 0 and 8) that RoPE's fastest rotation (one radian a token) turns into exactly that."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="qattn").eval()
+    with torch.no_grad():  # scores of the other channels O(1), as in trained models (random init: ~0.1)
+        model.model.layers[0].self_attn.q_proj.weight.mul_(8.0)
+        model.model.layers[0].self_attn.k_proj.weight.mul_(8.0)
+
+    def add_outlier(module, args, out):
+        p = torch.arange(out.shape[1], dtype=torch.float64)
+        sign = 1.0 - 2.0 * (p % 2)
+        out = out.clone()
+        out[:, :, 0] += (size * sign * torch.cos(p)).to(out.dtype)
+        out[:, :, 8] -= (size * sign * torch.sin(p)).to(out.dtype)
+        return out
+
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(add_outlier)
+    return model
+
+
+def _layer0_attention(model, ids, impl):
+    """Layer 0's attention output under ``impl``."""
+    captured = {}
+    handle = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: captured.update(out=out[0]))
+    model.set_attn_implementation(impl)
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+        model.set_attn_implementation("qattn")
+    return captured["out"].float()
+
+
+def test_calibration_marks_the_layer_with_an_outlier_channel_and_fixes_it(seed):
+    """Issue 24: a zero-mean outlier K channel through a calibrated model, with no argument set by the user:
+    the plan lists the layer (and only it), and the layer's output comes back to cosine ≥ 0.99 to SDPA."""
+    model = _llama_with_an_outlier_channel()
+    ids = torch.randint(1, 128, (2, 256))
+    exact = _layer0_attention(model, ids, "sdpa")
+    cos = lambda a, b: torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
+    before = cos(_layer0_attention(model, ids, "qattn"), exact)
+    assert before < 0.99, before  # the premise: without the split the layer is off
+    plan, _ = hf_qattn.calibrate(model, ids, ratio=0.5, objective="attention", progress=False)
+    assert plan.split_channel == [0] and model.config.qattn_plan["split_channel"] == [0]
+    after = cos(_layer0_attention(model, ids, "qattn"), exact)
+    assert after >= 0.99, (before, after)
+    # and the plan round-trips: a plan without split layers writes no key, so older plans stay as they were
+    assert "split_channel" not in hf_qattn.QAttnPlan(default="int8").to_dict()
+    assert hf_qattn.QAttnPlan.from_dict(model.config.qattn_plan).splits(0)

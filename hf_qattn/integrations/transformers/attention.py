@@ -115,13 +115,24 @@ def _snapshot(data):
     return data
 
 
+def _module_plan(module) -> QAttnPlan | None:
+    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+    return _cached_plan(config) if config is not None else None
+
+
 def layer_precision(module) -> str:
     """Precision this attention module runs: from the plan by layer index, else :data:`DEFAULT_PRECISION`."""
-    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
-    plan = _cached_plan(config) if config is not None else None
+    plan = _module_plan(module)
     if plan is None:
         return DEFAULT_PRECISION
     return plan.precision(layer_index(module))
+
+
+def layer_split_channel(module) -> bool | None:
+    """True where the plan found a K outlier channel in this layer (qattn then computes it apart), else
+    None: qattn's default (``HF_QATTN_SPLIT_CHANNEL``)."""
+    plan = _module_plan(module)
+    return True if plan is not None and plan.splits(layer_index(module)) else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,13 +300,15 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         stats.record_fallback(reason, full_precision_path(kwargs))
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    return _quantized(query, key, value, pattern, precision, scaling).transpose(1, 2).contiguous(), None
+    split = layer_split_channel(module)
+    return _quantized(query, key, value, pattern, precision, scaling, split).transpose(1, 2).contiguous(), None
 
 
-def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling):
+def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling, split_channel: bool | None):
     """qattn on (B, H, N, D) tensors under a mask pattern: keys [0, kv_len), causal, per-sequence range."""
     key, value = pattern.keys(key, value)
-    return api.qattn(query, key, value, layout="HND", qk=precision, sm_scale=scaling, **pattern.qattn_options())
+    return api.qattn(query, key, value, layout="HND", qk=precision, sm_scale=scaling, split_channel=split_channel,
+                     **pattern.qattn_options())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,7 +349,7 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    out = _quantized(query, key, value, pattern, precision, scaling)
+    out = _quantized(query, key, value, pattern, precision, scaling, _traced_split_channel(module))
     if exact is not None:
         out = torch.where(exact.view(-1, 1, 1, 1), out, float("nan"))
     return out.transpose(1, 2).contiguous(), None
@@ -388,6 +401,20 @@ def _traced_precision(module) -> str:
 @torch._dynamo.assume_constant_result
 def _precision_once(plan_data: dict, index) -> str:
     return QAttnPlan.from_dict(plan_data).precision(index)
+
+
+def _traced_split_channel(module) -> bool | None:
+    """:func:`layer_split_channel` under ``torch.compile`` (a constant of the graph, as the precision)."""
+    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+    data = getattr(config, PLAN_CONFIG_KEY, None) if config is not None else None
+    if data is None:
+        return None
+    return True if _splits_once(data.to_dict() if isinstance(data, QAttnPlan) else data, layer_index(module)) else None
+
+
+@torch._dynamo.assume_constant_result
+def _splits_once(plan_data: dict, index) -> bool:
+    return QAttnPlan.from_dict(plan_data).splits(index)
 
 
 _eager_attention_forward = torch.compiler.disable(qattn_attention_forward)

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ... import quant
 from ...plan import PLAN_CONFIG_KEY, UNQUANTIZED, QAttnPlan, check_ratio
 from ...calibration.scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .attention import layer_index
@@ -110,10 +111,26 @@ class CalibrationResult(CalibrationOutcome):
 
 
 class _Observer:
-    """What every calibration observer does with calls the kernel cannot serve, or that have no layer."""
+    """What every calibration observer does with calls the kernel cannot serve, or that have no layer, and
+    with every layer's keys: each objective's full-precision pass sees them, and notes the layers where some
+    kv head's K has a channel that smoothing cannot tame (:func:`hf_qattn.quant.split_channel`, over each
+    sequence's own keys). The plan sends only those layers down the split path (qattn's split_channel)."""
 
     def __init__(self):
         self.skipped: Counter = Counter()
+        self.split_layers: set[int] = set()
+
+    def note_keys(self, layer: int, key: torch.Tensor, pattern) -> None:
+        if layer in self.split_layers:
+            return
+        key = key[:, :, : pattern.kv_len].float()
+        for b in range(key.shape[0]):
+            start = int(pattern.kv_start[b]) if pattern.kv_start is not None else 0
+            end = int(pattern.kv_end[b]) if pattern.kv_end is not None else pattern.kv_len
+            k = key[b : b + 1, :, start:end]
+            if k.shape[2] and bool((quant.split_channel(k, k.mean(2)) >= 0).any()):
+                self.split_layers.add(layer)
+                return
 
     def skip(self, module, reason: str) -> None:
         self.skipped[reason] += 1
@@ -136,6 +153,7 @@ class _ScoreCollector(_Observer):
         layer = self._layer(module)
         if layer is None:
             return
+        self.note_keys(layer, key, pattern)
         nq = query.shape[2]
         key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
         for b in range(query.shape[0]):
@@ -224,6 +242,7 @@ class _LayerRecorder(_Observer):
         layer = self._layer(module)
         if layer is not None:
             self.layers.add(layer)
+            self.note_keys(layer, key, pattern)
 
 
 class _Bar:
@@ -286,7 +305,8 @@ def _run_attention(model, calls, progress: bool):
     if not scores:
         _nothing_scored(collector.skipped)
     ranking = {layer: s.mean for layer, s in scores.items()}  # lowest first → int8
-    meta = {"scores": {str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()}}
+    meta = {"scores": {str(layer): [round(s.mean, 6), round(s.worst, 6)] for layer, s in scores.items()},
+            "split_channel": sorted(collector.split_layers)}
     return scores, ranking, meta, collector.skipped, len(calls)
 
 
@@ -412,7 +432,8 @@ def _probe_runner(objective: str, measure: type, base: str, probe: str, metric: 
                                          tokens=tokens) for layer in layers}
         ranking = {layer: -s.mean for layer, s in scores.items()}  # largest first → int8
         meta = {"metric": metric, "tokens": tokens,
-                "scores": {str(layer): [round(s.mean, 8), round(s.worst, 8)] for layer, s in scores.items()}}
+                "scores": {str(layer): [round(s.mean, 8), round(s.worst, 8)] for layer, s in scores.items()},
+                "split_channel": sorted(recorder.split_layers)}
         if measure is _NLL:
             meta.update(nll_int4=round(nll_int4, 6), nll_full=round(nll_full, 6))
         return scores, ranking, meta, recorder.skipped, forwards
@@ -434,7 +455,8 @@ def _nothing_scored(skipped) -> None:
 
 # The calibration objectives: name → (how it runs, what it costs). The one place to add an objective:
 # a runner takes (model, calls, progress) and returns (scores, ranking, meta, skipped, forwards), where the
-# lowest ``ranking`` values are marked int8.
+# lowest ``ranking`` values are marked int8 and meta["split_channel"] lists the layers its observer's
+# full-precision pass found a K outlier channel in (_Observer.note_keys).
 OBJECTIVES = {
     "attention": (_run_attention, "1 forward per input batch: CosSim·(1 − RelL1) of each layer's INT4 attention "
                                   "output on its own Q, K, V (lowest → int8)"),
@@ -522,7 +544,9 @@ def calibrate(
 
     Returns a :class:`CalibrationResult` (``plan, scores = calibrate(...)``): ``scores[layer]`` has the
     mean and worst over inputs (a :class:`~hf_qattn.calibration.scoring.Score` or a :class:`Sensitivity`), plus the
-    number of forwards and seconds spent. ``model.config.qattn_plan`` holds ``plan.to_dict()``.
+    number of forwards and seconds spent. ``model.config.qattn_plan`` holds ``plan.to_dict()``; its
+    ``split_channel`` lists the layers whose K has a channel smoothing cannot tame (seen in the objective's
+    full-precision pass): those layers compute it apart, the others pay nothing for it.
     The model comes back in its previous attention implementation and train/eval mode.
     """
     check_ratio(ratio, "layers")
@@ -562,10 +586,12 @@ def calibrate(
         model.train(was_training)
     seconds = time.perf_counter() - started
 
+    split_layers = extra.pop("split_channel")  # the plan's own field, not provenance
     if chosen_by is not None:
         extra = {**extra, "chosen_by": f"auto: {chosen_by}"}
     meta = describe(batches=len(batches), objective=objective, forwards=forwards, **extra)
     plan = QAttnPlan.from_scores(ranking, ratio, num_layers=attention._num_layers(config), meta=meta)
+    plan.split_channel = split_layers
     setattr(config, PLAN_CONFIG_KEY, plan.to_dict())
     return CalibrationResult(plan=plan, scores=scores, skipped=dict(skipped), objective=objective,
                              forwards=forwards, seconds=seconds, chosen_by=chosen_by)
