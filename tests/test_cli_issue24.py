@@ -20,17 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")
 sys.path.insert(0, str(REPO / "eval"))
 import tiny_causal_lm  # noqa: E402
+from test_cli_errors import one_error_line  # noqa: E402  (the CLI error check, one place)
 
 BAD_PLAN = {"version": 1, "default": "int5"}
-
-
-def one_error_line(capsys, *fragments) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("hf-qattn: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
