@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hf_qattn import QAttnPlan, calibrate
-from hf_qattn.integrations.transformers.calibration import _simple_progress
 from hf_qattn.integrations import transformers as integration
 from hf_qattn.plan import PLAN_CONFIG_KEY
 from hf_qattn.calibration.scoring import attention_accuracy
@@ -145,9 +144,13 @@ def test_not_a_transformers_model():
         calibrate(torch.nn.Linear(2, 2), token_batches(1), progress=False)
 
 
-def test_simple_progress_bar(capsys):
-    assert list(_simple_progress([1, 2, 3], "calibrate")) == [1, 2, 3]
+def test_progress_without_tqdm_is_a_stderr_line(capsys, monkeypatch):
+    from hf_qattn.progress import track
+
+    monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)  # no tqdm
+    assert list(track([1, 2, 3], "calibrate")) == [1, 2, 3]
     assert "calibrate: 3/3" in capsys.readouterr().err
+    assert list(track([1, 2, 3], "quiet", enabled=False)) == [1, 2, 3] and not capsys.readouterr().err
 
 
 def test_plan_meta_keeps_scores_for_plots(tiny_model):

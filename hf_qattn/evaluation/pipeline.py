@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import quality
+from ..progress import track
 from ..stats import fallback_stats, reset_fallback_stats
 
 MODES = ("sdpa", "int8", "int4", "plan")
@@ -145,12 +146,6 @@ def generate(pipe, call: Call, steps: int, kind: str | None = None, **common) ->
 
 # -- the loop ------------------------------------------------------------------------------------
 
-def _progress(items: list, enabled: bool, desc: str):
-    from ..integrations.transformers.calibration import _progress as progress  # tqdm when installed
-
-    return progress(items, enabled, desc)
-
-
 def _add_stats(total: dict, stats: dict) -> None:
     for group in ("calls", "fallbacks"):
         counts = total.setdefault(group, {})
@@ -182,7 +177,7 @@ def run(pipe, calls: Sequence[Call], modes: Sequence[str], *, steps: int, plan=N
     tasks = [(call, labels[i], modes[i]) for call in calls for i in order]
     result = Result(kind=kind or "", labels=labels, rows=[], stats={label: {} for label in labels})
     reference, position = None, {}
-    for call, label, mode in _progress(tasks, progress, "hf-qattn eval-pipeline"):
+    for call, label, mode in track(tasks, "hf-qattn eval-pipeline", progress):
         reset_fallback_stats()
         with mode_context(pipe, mode, plan) as handle:
             if handle is not None and label not in result.plans:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -45,6 +44,7 @@ import torch
 
 from ... import quant
 from ...plan import PLAN_CONFIG_KEY, UNQUANTIZED, QAttnPlan, check_ratio
+from ...progress import Progress, track
 from ...calibration.scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .attention import layer_index
 
@@ -207,23 +207,6 @@ def _batches(inputs, tokenizer, batch_size: int, max_length: int | None) -> list
     raise ValueError("inputs must be all strings or all tokenized batches (dicts of tensors); got a mix or another type")
 
 
-def _progress(items, enabled: bool, desc: str):
-    if not enabled or len(items) < 2:
-        return items
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _simple_progress(items, desc)
-    return tqdm(items, desc=desc)
-
-
-def _simple_progress(items, desc: str):
-    total = len(items)
-    for done, item in enumerate(items, 1):
-        yield item
-        print(f"\r{desc}: {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
-
-
 def _model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -243,37 +226,6 @@ class _LayerRecorder(_Observer):
         if layer is not None:
             self.layers.add(layer)
             self.note_keys(layer, key, pattern)
-
-
-class _Bar:
-    """A progress bar over a total known after the first step (tqdm when installed, else a stderr line)."""
-
-    def __init__(self, enabled: bool, desc: str):
-        self.enabled, self.desc, self.done, self.total, self.bar = enabled, desc, 0, 0, None
-
-    def start(self, total: int) -> None:
-        self.total = total
-        if not self.enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            return
-        self.bar = tqdm(total=total, desc=self.desc)
-
-    def step(self) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(1)
-        else:
-            print(f"\r{self.desc}: {self.done}/{self.total}", end="\n" if self.done == self.total else "",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _logits(output, objective: str) -> torch.Tensor:
@@ -299,7 +251,7 @@ def _run_attention(model, calls, progress: bool):
 
     collector = _ScoreCollector()
     with attention.calibrating(collector):
-        for call in _progress(calls, progress, "hf_qattn calibrate"):
+        for call in track(calls, "hf_qattn calibrate", progress):
             model(**call)
     scores = collector.scores()
     if not scores:
@@ -369,7 +321,7 @@ def _probe_runner(objective: str, measure: type, base: str, probe: str, metric: 
         recorder = _LayerRecorder()
         layers: list[int] | None = None
         extra = 2 if gain else 1
-        bar = _Bar(progress, f"hf_qattn calibrate ({objective}: L+{extra} forwards per batch)")
+        bar = Progress(f"hf_qattn calibrate ({objective}: L+{extra} forwards per batch)", progress)
 
         try:
             for call in calls:
