@@ -56,6 +56,7 @@ if not torch.cuda.is_available():  # the kernels run under Triton's interpreter,
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+from timing import events_ms, host_us  # noqa: E402  (eval/timing.py)
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
@@ -119,24 +120,7 @@ def _sync():
 
 def time_us(fn, calls: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean time of ``calls`` back-to-back calls, in µs."""
-    fn()
-    _sync()
-    samples = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(samples)
+    return events_ms(fn, calls=calls, repeats=repeats) * 1e3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,18 +139,6 @@ def exact_decode(q, k, v) -> torch.Tensor:
         o = torch.matmul(torch.softmax(scores, dim=-1), v[i].double())  # (Hk, G·Nq, D)
         out[i] = o.reshape(hq, nq, d).transpose(0, 1)
     return out
-
-
-def host_us(fn, calls: int) -> float:
-    """Host time of one call (Python and launch; the GPU is not waited for)."""
-    fn()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) * 1e6 / calls
-    _sync()
-    return host
 
 
 def fill_cache(k, v, d, int4, device):
@@ -222,7 +194,7 @@ def kernel_rows(args, device, dtype):
                         row[f"{precision}_us"] = us
                         row[f"{precision}_GBs"] = qbytes / us / 1e3
                         row[f"{precision}_x"] = row["sdpa_us"] / us
-                        row[f"{precision}_host_us"] = host_us(run, args.calls)
+                        row[f"{precision}_host_us"] = host_us(run, args.calls, repeats=1, hold_gpu=False)
                         # the append kernel alone: one new token per sequence (rewrites the last slot)
                         k1, v1 = k[:, :, -1:].contiguous(), v[:, :, -1:].contiguous()
                         row[f"{precision}_append_us"] = time_us(
@@ -436,6 +408,8 @@ def _timed_generate(model, ids, cache, new_tokens: int, warmup: int, make_step=N
     tokens = [token]
     step_ms = []
     decode_step = make_step() if make_step else (lambda t: model(t, **{CACHE_KW: cache}, use_cache=True).logits)
+    # Each step timed on its own (events around one step; the next step needs this step's token, and the
+    # first ``warmup`` steps are dropped): not timing.events_ms's batches of identical calls.
     for step in range(new_tokens - 1):
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -21,7 +21,6 @@ import platform
 
 import torch
 import triton
-from triton.testing import do_bench
 
 import hf_qattn
 from hf_qattn import reference
@@ -29,6 +28,7 @@ from hf_qattn.kernels import launch, tuning
 from hf_qattn.calibration.metrics import accuracy
 
 from synthetic import outlier_qkv  # eval/synthetic.py
+from timing import bench_graph_ms, bench_ms  # eval/timing.py
 
 SDPA = torch.nn.attention.SDPBackend
 
@@ -121,9 +121,7 @@ def sdpa_with(backend, q, k, v, causal):
 
 def time_ms(fn):
     try:
-        fn()
-        torch.cuda.synchronize()
-        return do_bench(fn, warmup=50, rep=200, return_mode="median")
+        return bench_ms(fn, warmup=50, rep=200)
     except Exception as exc:  # a backend that does not take this shape: report, keep going
         log(f"    ({type(exc).__name__}: {str(exc)[:120]})")
         return float("nan")
@@ -196,9 +194,9 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                     "gluon-8b": time_ms(lambda: launch.hopper_attention(
                         q, k, v, out, is_causal=causal, kv_start=None, kv_end=None, return_lse=False, **common)),
                     # the same call replayed from a CUDA graph: GPU time without Python and launch gaps
-                    "gluon-8b-graph": triton.testing.do_bench_cudagraph(lambda: launch.hopper_attention(
+                    "gluon-8b-graph": bench_graph_ms(lambda: launch.hopper_attention(
                         q, k, v, out, is_causal=causal, kv_start=None, kv_end=None, return_lse=False, **common),
-                        rep=100, return_mode="median"),
+                        rep=100),
                     "gluon-kernel": time_ms(lambda: launch.hopper_kernel_launch(
                         q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
                         return_lse=False, stages=config["STAGES"])),
@@ -230,8 +228,7 @@ def stage_times(dtype, d=128, n=8192, batch=4, heads=32, causal=False):
     centers = time_ms(lambda: launch.smoothing_centers(q, k, v, True, True, True))
     total = time_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=causal))
     # the same call replayed from a CUDA graph: GPU time alone, without Python and launch overhead
-    graphed = triton.testing.do_bench_cudagraph(lambda: hf_qattn.qattn(q, k, v, is_causal=causal), rep=200,
-                                                return_mode="median")
+    graphed = bench_graph_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=causal), rep=200)
     cudnn_ms = time_ms(sdpa_with(SDPA.CUDNN_ATTENTION, q, k, v, causal))
     # the quantize kernel alone: time the launcher with an attention of zero query rows
     quant_only = time_ms(lambda: launch.triton_attention(

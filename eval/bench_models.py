@@ -21,36 +21,17 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
-import time
 
 import torch
 
 import hf_qattn
 from hf_qattn import QAttnPlan
 
+from timing import events_ms  # eval/timing.py
+
 
 def log(*args):
     print(*args, flush=True)
-
-
-def median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,7 +61,7 @@ def llama(device, dtype, tiny: bool, repeats: int):
             model.config.qattn_plan = plan.to_dict()
         with torch.no_grad():
             logits[name] = model(ids).logits.float()
-            ms = median_ms(lambda: model(ids), repeats)
+            ms = events_ms(lambda: model(ids), repeats=repeats, warmup=2)
         rows.append({"model": f"Llama-shaped {sizes['num_hidden_layers']}L", "tokens": tokens, "attention": name,
                      "ms/forward": ms, "cos vs sdpa": cosine(logits[name], logits["sdpa"])})
         log("   ", rows[-1])
@@ -120,7 +101,7 @@ def wan(device, dtype, tiny: bool, repeats: int):
         handle = hf_qattn.patch(transformer, plan=plan) if plan is not None else None
         with torch.no_grad():
             outs[name] = call().float()
-            ms = median_ms(call, repeats)
+            ms = events_ms(call, repeats=repeats, warmup=2)
         if handle is not None:
             hf_qattn.unpatch(transformer)
         rows.append({"model": f"Wan-shaped {sizes['num_layers']} blocks", "tokens": video_tokens, "attention": name,

@@ -38,7 +38,7 @@ import transformers
 import hf_qattn
 from hf_qattn.kv_cache.captured import cache_argument
 
-from bench_models import median_ms  # eval/bench_models.py
+from timing import events_ms  # eval/timing.py
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
@@ -58,7 +58,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def timed(fn, warmup: int = 3, iters: int = 10) -> float:
     """Median milliseconds of fn() (CUDA events), as the model benchmark times."""
-    return median_ms(fn, iters, warmup)
+    return events_ms(fn, repeats=iters, warmup=warmup)
 
 
 def breaks(fn, *args, **kwargs) -> tuple[int, str]:
@@ -196,6 +196,8 @@ def llama_decode(args):
             eager = model.generate(ids, **opts, disable_compile=True)
             compiled = model.generate(ids, **opts)  # transformers compiles the decode step ("reduce-overhead")
             compiled = model.generate(ids, **opts)
+            # ms a token of generate itself: (one call of `new` tokens − one of 2) / (new − 2), host clock
+            # around whole calls (prefill and per-call setup cancel out), not a loop of identical calls
             torch.cuda.synchronize()
             start = time.perf_counter()
             model.generate(ids, **opts)

@@ -26,7 +26,8 @@ import torch
 
 import hf_qattn
 from hf_qattn.kernels import decode_launch, fast_launch
-from profile_call import _median_ms, host_us
+
+from timing import events_ms, host_us  # eval/timing.py
 
 PREFILL = [  # b, hq, hk, nq, nk, d, causal, dtype, layout, kv range, lse
     (2, 8, 8, 1000, 1000, 128, False, torch.float16, "HND", False, False),
@@ -128,9 +129,7 @@ def main():
         decode_launch.decode(qd, kq, ks, vq, vs, bar, length, int4=False)
 
     def eager_ms(fn):
-        for _ in range(3):
-            fn()
-        return _median_ms(lambda: [fn() for _ in range(20)], 20, 5)
+        return events_ms(fn, calls=20, repeats=5, warmup=3)
 
     # The host's speed drifts by ±30 % between measurements here: alternate the modes, 10 rounds each.
     samples = {"0": [], "1": []}

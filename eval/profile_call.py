@@ -5,8 +5,8 @@
 Per shape (the Hopper path, quantization included), side by side with cuDNN in the same run:
 
 - ``graph_ms``: GPU time a call, from a CUDA graph of 20 calls replayed (no Python, no launch gaps);
-- ``eager_ms``: back-to-back calls timed with events (what a loop of calls sees: the GPU waits
-  whenever the host is slower than it);
+- ``eager_ms``: 30 back-to-back calls timed with events, median of 5 (what a loop of calls sees: the
+  GPU waits whenever the host is slower than it);
 - ``host_us``: the host's time to issue one call, measured while the GPU is held busy by a sleep
   kernel (so it is pure Python, allocation and launch cost);
 - the GPU time of each kernel of the call (torch.profiler), in µs;
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import time
 from collections import defaultdict
 
 import torch
@@ -29,66 +28,14 @@ import triton
 import hf_qattn
 from hf_qattn.kernels import launch, tuning
 
+from timing import events_ms, graph_ms, host_us  # eval/timing.py
+
 SDPA = torch.nn.attention.SDPBackend
 
 # (label, batch, heads, N, d, dtype)
 SHAPES = [("B4 H32 N1k d128", 4, 32, 1024, 128, torch.float16), ("B4 H32 N2k d128", 4, 32, 2048, 128, torch.float16),
           ("B4 H32 N8k d128", 4, 32, 8192, 128, torch.float16), ("B4 H32 N1k d64", 4, 32, 1024, 64, torch.float16),
           ("Flux-1024-like", 1, 24, 4608, 128, torch.bfloat16)]
-
-
-def _median_ms(run, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the event-timed ``run()`` (which makes ``calls`` calls), ms a call."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def graph_ms(fn, calls: int = 20) -> float:
-    """GPU milliseconds a call: a CUDA graph of ``calls`` calls, median of 7 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return _median_ms(graph.replay, calls, 7)
-
-
-def eager_ms(fn, calls: int = 30) -> float:
-    """Milliseconds a call of back-to-back eager calls, median of 5 batches."""
-    fn()
-    torch.cuda.synchronize()
-
-    def batch():
-        for _ in range(calls):
-            fn()
-    return _median_ms(batch, calls, 5)
-
-
-def host_us(fn, calls: int = 30) -> float:
-    """Microseconds of host time to issue one call, with the GPU held busy (launches only queue)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        torch.cuda._sleep(int(3e8))  # ≈ 0.2 s of GPU cycles: longer than the calls take to issue
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
 
 
 def kernel_us(fn, calls: int = 20) -> dict[str, float]:
@@ -167,8 +114,9 @@ def main():
         call = lambda: hf_qattn.qattn(q, k, v)  # noqa: E731
         cudnn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
         with torch.nn.attention.sdpa_kernel(SDPA.CUDNN_ATTENTION):
-            c_graph, c_eager = graph_ms(cudnn), eager_ms(cudnn)
-        row = dict(graph=graph_ms(call), eager=eager_ms(call), host=host_us(call), c_graph=c_graph, c_eager=c_eager)
+            c_graph, c_eager = graph_ms(cudnn), events_ms(cudnn, calls=30)
+        row = dict(graph=graph_ms(call), eager=events_ms(call, calls=30), host=host_us(call), c_graph=c_graph,
+                   c_eager=c_eager)
         summary.append(f"| {label} | {row['graph']:.4f} | {row['eager']:.4f} | {row['host']:.0f} | {c_graph:.4f} | "
                        f"{c_eager:.4f} | {c_graph / row['graph']:.3f} | {c_eager / row['eager']:.3f} |")
         kernels = kernel_us(call)

@@ -21,7 +21,8 @@ from hf_qattn.kernels.decode import decode_kernel
 from hf_qattn.kernels.fast_launch import fast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
-from bench_decode import fill_cache, time_us  # noqa: E402
+from bench_decode import fill_cache  # noqa: E402
+from timing import events_ms  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
                     decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=precision == "int4", num_stages=stages,
                                          maxnreg=maxnreg, waves=waves)
                 try:
-                    us = time_us(run, 20, 7)
+                    us = events_ms(run, calls=20, repeats=7) * 1e3
                     kernels = [kern for kern, _ in fast(decode_kernel).kernels.values()]
                     last = kernels[-1]
                     regs, spills = getattr(last, "n_regs", "?"), getattr(last, "n_spills", "?")

@@ -7,7 +7,7 @@ through Triton's JIT path, the same launches with their arguments already bound 
 kernel's ``run``, which is what remains when binding and the cache lookup are skipped), Triton's
 binder alone, a TMA descriptor built on the host and encoded, a ``torch.empty`` — and a decode step's
 two launches (append, decode). Every figure is a median of 5 × 30 issues while a sleep kernel keeps
-the GPU busy (``profile_call.host_us``).
+the GPU busy (``timing.host_us``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import hf_qattn
 from hf_qattn.kernels import decode_launch, launch, tuning
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
-from profile_call import host_us  # noqa: E402
+from timing import host_us  # noqa: E402
 
 
 def bound_launch(jit_fn, grid, args, kwargs):

@@ -20,7 +20,7 @@ from hf_qattn.kv_cache import reference as kv_reference
 from hf_qattn.kernels import decode_launch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
-from profile_call import graph_ms  # noqa: E402
+from timing import graph_ms  # noqa: E402
 
 
 def main() -> None:

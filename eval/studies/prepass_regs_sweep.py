@@ -20,7 +20,7 @@ from hf_qattn.kernels.fast_launch import fast
 from hf_qattn.kernels.quantize import centers_kernel, quantize_kv_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
-from profile_call import graph_ms  # noqa: E402
+from timing import graph_ms  # noqa: E402
 
 SHAPES = [("B4 H32 N1k d128", 4, 32, 1024, 128, torch.float16), ("B4 H32 N2k d128", 4, 32, 2048, 128, torch.float16),
           ("B4 H32 N8k d128", 4, 32, 8192, 128, torch.float16), ("B4 H32 N1k d64", 4, 32, 1024, 64, torch.float16),

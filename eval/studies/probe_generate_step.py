@@ -57,6 +57,8 @@ def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
             nonlocal token
             token = model(token, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
 
+        # events and the host clock around the same synchronised step (bench_decode's per-step timing), then
+        # an unsynchronised run: three views of one step at once, so not one of eval/timing.py's loops
         events, hosts = [], []
         for i in range(24):
             torch.cuda.synchronize()

@@ -4,18 +4,22 @@
 
 pv_tiles = key tiles whose P·V share one FP8 wgmma accumulator before it is added into the FP32 sum in
 shared memory (100000: never, the kernel before two-level accumulation). B4 H32 fp16, the Gluon
-kernel alone on one K/V pass's output, median of triton.testing.do_bench; TOPS = 4·B·H·N²·d / time
-(half for causal). Its accuracy by length is eval/accuracy_length.py's.
+kernel alone on one K/V pass's output, median of triton.testing.do_bench (``timing.bench_ms``);
+TOPS = 4·B·H·N²·d / time (half for causal). Its accuracy by length is eval/accuracy_length.py's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
-from triton.testing import do_bench
 
 from hf_qattn.kernels import launch, tuning
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from timing import bench_ms  # noqa: E402
 
 
 def main():
@@ -38,10 +42,9 @@ def main():
         flops = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
         cells = []
         for t in tiles:
-            ms = do_bench(lambda t=t: launch.hopper_kernel_launch(
+            ms = bench_ms(lambda t=t: launch.hopper_kernel_launch(
                 q, 32, n, kv, out, is_causal=bool(causal), sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                return_lse=False, stages=config["STAGES"], pv_tiles=t),
-                warmup=50, rep=300, return_mode="median")
+                return_lse=False, stages=config["STAGES"], pv_tiles=t), warmup=50, rep=300)
             cells.append(flops / ms / 1e9)
         rows.append((f"d{d} {'causal' if causal else 'full'} N{n}", cells))
         print(rows[-1], flush=True)

@@ -3,18 +3,22 @@
     python3 eval/studies/time_calls.py LABEL [SHAPE ...]   # one line per shape: LABEL, shape, eager ms, graph ms
 
 Run it alternately under two installs (PYTHONPATH=/tmp/a ..., PYTHONPATH=/tmp/b ...) in one session,
-so both builds see the same GPU, clocks and host, and compare medians of the repeated lines. Eager: ``triton.testing.do_bench`` median of back-to-back calls; graph: the same call
-replayed from a CUDA graph (GPU time alone).
+so both builds see the same GPU, clocks and host, and compare medians of the repeated lines. Eager:
+``timing.bench_ms`` (``triton.testing.do_bench``'s median of back-to-back calls); graph:
+``timing.bench_graph_ms``, the same call replayed from a CUDA graph (GPU time alone).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
-import triton
 
 import hf_qattn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from timing import bench_graph_ms, bench_ms  # noqa: E402
 
 SHAPES = [  # label, B, H, N, d, causal, dtype
     ("d128 1k", 4, 32, 1024, 128, False, torch.float16),
@@ -33,10 +37,8 @@ def main():
             continue
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
         call = lambda: hf_qattn.qattn(q, k, v, is_causal=causal)  # noqa: E731
-        call()
-        torch.cuda.synchronize()
-        eager = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-        graph = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
+        eager = bench_ms(call, warmup=25, rep=100)
+        graph = bench_graph_ms(call, rep=100)
         print(f"{label} | {name} | {eager:.4f} | {graph:.4f}", flush=True)
         del q, k, v
 
