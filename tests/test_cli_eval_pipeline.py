@@ -1,6 +1,6 @@
 """``hf-qattn eval-pipeline``: end to end on a tiny Flux (image) and a tiny Wan (video) pipeline, saved with
 tiny text encoders (eval/pipeline_quality.py ``save_tiny``), 2 prompts each; the VBench file names; what
-happens without diffusers, without VBench, without a plan, and on a folder that is no pipeline."""
+happens without diffusers or torchmetrics, without VBench, without a plan, and on a folder that is no pipeline."""
 
 from __future__ import annotations
 
@@ -136,10 +136,11 @@ def test_video_pipeline_without_vbench_or_video_writer(tiny, tmp_path, monkeypat
             assert sorted(os.listdir(out / label / name)) == [f"{i:05d}.png" for i in range(9)]
 
 
-def test_missing_diffusers_is_one_line(tiny, tmp_path, monkeypatch, capsys):
-    _hide(monkeypatch, "diffusers")
+@pytest.mark.parametrize("missing", ["diffusers", "torchmetrics"])
+def test_missing_dependency_is_one_line(tiny, tmp_path, monkeypatch, capsys, missing):
+    _hide(monkeypatch, missing)
     assert _run(tiny["flux"], tiny["prompts"], tmp_path / "out", "sdpa,int8") == 1
-    assert "install diffusers" in _one_error_line(capsys)
+    assert f"install {missing}" in _one_error_line(capsys)
     assert not (tmp_path / "out").exists()
 
 

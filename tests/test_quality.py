@@ -36,6 +36,32 @@ def test_ssim_values(seed):
         quality.ssim(torch.rand(1, 1, 8, 8), torch.rand(1, 1, 8, 8))
 
 
+def test_ssim_averages_the_windows_inside_the_image(seed):
+    # 11×11 images hold one window: SSIM is the formula on the Gaussian-weighted statistics of the whole image
+    # (torchmetrics' own mean would also take in the windows it centres on the reflection-padded border)
+    a = torch.rand(2, 1, 11, 11, dtype=torch.float64)
+    b = (a + 0.2 * torch.randn_like(a)).clamp(0, 1)
+    x = torch.arange(11, dtype=torch.float64) - 5
+    g = torch.exp(-x ** 2 / (2 * 1.5 ** 2))
+    w = (g[:, None] * g[None, :]) / g.sum() ** 2
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    for i in range(2):
+        mu_a, mu_b = (w * a[i, 0]).sum(), (w * b[i, 0]).sum()
+        var_a, var_b = (w * a[i, 0] ** 2).sum() - mu_a ** 2, (w * b[i, 0] ** 2).sum() - mu_b ** 2
+        cov = (w * a[i, 0] * b[i, 0]).sum() - mu_a * mu_b
+        expected = (2 * mu_a * mu_b + c1) * (2 * cov + c2) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+        assert quality.ssim(a, b)[i].item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_psnr_and_ssim_without_torchmetrics_name_the_extra(monkeypatch):
+    for name in ("torchmetrics", "torchmetrics.functional", "torchmetrics.functional.image"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an import sees when the package is not installed
+    a = torch.rand(1, 3, 16, 16)
+    for metric in (quality.psnr, quality.ssim):
+        with pytest.raises(ImportError, match=r"pip install 'hf-qattn\[diffusers\]'"):
+            metric(a, a)
+
+
 def test_frame_cosine_and_temporal_flickering(seed):
     video = torch.rand(2, 5, 3, 8, 8)
     assert torch.allclose(quality.frame_cosine(video, video), torch.ones(2, 5, dtype=torch.float64))

@@ -352,6 +352,8 @@ def run_eval_pipeline(args) -> int:
     plan = _check_plan(args, index) if "plan" in args.modes else None
     if importlib.util.find_spec("diffusers") is None:
         raise CLIError("eval-pipeline needs diffusers: pip install diffusers (or pip install 'hf-qattn[diffusers]')")
+    if importlib.util.find_spec("torchmetrics") is None:  # PSNR and SSIM (hf_qattn.evaluation.quality)
+        raise CLIError("eval-pipeline needs torchmetrics: pip install torchmetrics (or pip install 'hf-qattn[diffusers]')")
     device = _device(args.device)
 
     import torch

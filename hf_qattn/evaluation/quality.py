@@ -4,12 +4,15 @@ Layout: images (N, C, H, W) and videos (N, F, C, H, W), float, values in [0, ``d
 
 - :func:`psnr` — 10·log10(range² / MSE) per sample (inf when identical);
 - :func:`ssim` — mean structural similarity per sample, Gaussian window 11 / σ 1.5 on every channel
-  (Wang et al. 2004, the constants K1 = 0.01, K2 = 0.03);
+  (Wang et al. 2004, the constants K1 = 0.01, K2 = 0.03), over the windows that lie inside the image;
 - :func:`frame_cosine` — cosine similarity of each frame, flattened;
 - :func:`temporal_flickering` — VBench's weight-free dimension: 1 − mean |frame t+1 − frame t| / 255
   on 8-bit frames, per video (1 = no change between frames);
 - :func:`sample_metrics` — all of these per sample (what ``hf-qattn eval-pipeline`` reports), frames
   taken a few at a time so that long high-resolution videos fit in memory; :func:`report` — their means.
+
+PSNR and SSIM are torchmetrics' (an optional dependency, imported on first use: ``pip install
+'hf-qattn[diffusers]'``). Flickering is written here: VBench's formula is in no metrics library.
 """
 
 from __future__ import annotations
@@ -17,38 +20,38 @@ from __future__ import annotations
 import torch
 
 
+def _image_metrics():
+    """``torchmetrics.functional.image``, imported on first use."""
+    try:
+        from torchmetrics.functional import image
+    except ImportError as error:
+        raise ImportError("hf_qattn.evaluation.quality computes PSNR and SSIM with torchmetrics, which is not "
+                          "installed: pip install 'hf-qattn[diffusers]' (or pip install torchmetrics)") from error
+    return image
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
-    mse = (a.double() - b.double()).pow(2).flatten(1).mean(1)
-    return 10 * torch.log10(data_range ** 2 / mse)  # +inf where mse == 0
+    """PSNR per sample of two tensors of one shape (N, ...), in float64; +inf where they are equal."""
+    return _image_metrics().peak_signal_noise_ratio(a.double(), b.double(), data_range=data_range, reduction="none",
+                                                    dim=tuple(range(1, a.dim())))
 
 
-def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
-    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
-    g = torch.exp(-x ** 2 / (2 * sigma ** 2))
-    return g / g.sum()
+_SSIM_WINDOW, _SSIM_SIGMA = 11, 1.5
 
 
 def ssim(a: torch.Tensor, b: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
     """Mean SSIM per image of (N, C, H, W) tensors (valid windows only; H and W ≥ 11)."""
     if a.shape != b.shape or a.dim() != 4:
         raise ValueError(f"ssim takes two (N, C, H, W) tensors of one shape; got {tuple(a.shape)}, {tuple(b.shape)}")
-    if min(a.shape[-2:]) < 11:
+    if min(a.shape[-2:]) < _SSIM_WINDOW:
         raise ValueError(f"ssim needs images of at least 11×11 pixels; got {tuple(a.shape[-2:])}")
-    a, b = a.double(), b.double()
-    channels = a.shape[1]
-    g = _gaussian_window()
-    window = (g[:, None] * g[None, :]).expand(channels, 1, 11, 11).contiguous()
-
-    def blur(x):
-        return torch.nn.functional.conv2d(x, window, groups=channels)
-
-    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
-    mu_a, mu_b = blur(a), blur(b)
-    var_a = blur(a * a) - mu_a ** 2
-    var_b = blur(b * b) - mu_b ** 2
-    cov = blur(a * b) - mu_a * mu_b
-    index = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
-    return index.flatten(1).mean(1)
+    # torchmetrics pads the image by reflection and its own mean takes in the windows centred on the border
+    # too; the map it returns is cropped to the windows that lie inside the image, as Wang et al. average
+    _, index = _image_metrics().structural_similarity_index_measure(
+        a.double(), b.double(), gaussian_kernel=True, sigma=_SSIM_SIGMA, kernel_size=_SSIM_WINDOW,
+        data_range=data_range, k1=0.01, k2=0.03, reduction="none", return_full_image=True)
+    pad = (_SSIM_WINDOW - 1) // 2
+    return index[..., pad:-pad, pad:-pad].flatten(1).mean(1)
 
 
 def frame_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
