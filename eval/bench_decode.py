@@ -155,6 +155,21 @@ def fill_cache(k, v, d, int4, device):
     return kq, ks, vq, vs, k_bar, v_bar
 
 
+def _failed(row: dict, error: Exception) -> None:
+    """A case that raised: the row says why, the run goes on."""
+    row["error"] = f"{type(error).__name__}: {error}"[:160]
+    traceback.print_exc()
+
+
+def _finish(rows: list, kind: str, row: dict) -> None:
+    """Free the case's memory, print its row and keep it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(kind, row)
+    rows.append(row)
+
+
 def kernel_rows(args, device, dtype):
     from hf_qattn.kernels import decode_launch
 
@@ -213,13 +228,8 @@ def kernel_rows(args, device, dtype):
                 del ref
                 del k, v, q
             except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {error}"[:160]
-                traceback.print_exc()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            log("kernel", row)
-            rows.append(row)
+                _failed(row, error)
+            _finish(rows, "kernel", row)
     return rows
 
 
@@ -510,13 +520,8 @@ def generate_call_rows(args, device, dtype):
                 row["ms_token"] = (many - one) / (args.new_tokens - 1)
                 row["cache_bytes"] = cache_bytes(cache) if cache is not None else None
             except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {error}"[:160]
-                traceback.print_exc()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            log("generate call", row)
-            rows.append(row)
+                _failed(row, error)
+            _finish(rows, "generate call", row)
     return rows
 
 
@@ -565,13 +570,8 @@ def generate_rows(args, device, dtype):
                     row["first_diff"] = int(same.argmin()) if not bool(same.all()) else None
                 row.update(result)
             except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {error}"[:160]
-                traceback.print_exc()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            log("generate", row)
-            rows.append(row)
+                _failed(row, error)
+            _finish(rows, "generate", row)
         # the baseline: SDPA with flash/efficient kernels (cuDNN's per-length plan building is not attention)
         base = next((r for r in rows if r["prompt"] == prompt and r["mode"].startswith("sdpa-flash") and "tok_s" in r),
                     None)
