@@ -60,22 +60,11 @@ def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
             raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions ({layout}); got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{name} must be float16, bfloat16 or float32; got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
     hnd = [t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v)]
-    (b, hq, _, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = (t.shape for t in hnd)
-    if not (b == bk == bv):
-        raise ValueError(f"q, k and v must have the same batch size; got {b}, {bk}, {bv}")
-    if not (d == dk == dv):
-        raise ValueError(f"q, k and v must have the same head_dim; got {d}, {dk}, {dv}")
-    if (hk, nk) != (hv, nv):
-        raise ValueError(f"k and v must have the same heads and tokens; got {(hk, nk)} and {(hv, nv)}")
-    if (hk == 0 and hq != 0) or (hk != 0 and hq % hk):
-        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({hk}), and k/v need a head when q has one")
+    wrong = support.argument_gap(*hnd)  # dtypes, devices, shapes: the rules the integrations fall back on
+    if wrong is not None:
+        raise ValueError(wrong[1])
+    b, nk = hnd[0].shape[0], hnd[1].shape[2]
     _check_range("kv_start", kv_start, b, nk, q.device)
     _check_range("kv_end", kv_end, b, nk, q.device)
     # start > end: an error where checking is free (CPU tensors); on a GPU a check would wait for the
@@ -87,10 +76,6 @@ def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
             raise ValueError(f"kv_start must not exceed kv_end; sequence {bad[0]} has kv_start "
                              f"{int(kv_start[bad[0]])} > kv_end {int(kv_end[bad[0]])}")
     return hnd
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _empty_result(qh, kh, vh, *, is_causal, sm_scale, kv_start, kv_end, return_lse):
@@ -171,7 +156,7 @@ def qattn(
         kv_end = None if kv_end is None else kv_end.clamp(0, nk)
 
     path, qk, pv = (_decide_once if torch.compiler.is_compiling() else _decide)(
-        q.device.type, q.device.index, d, backend, qk, pv, support.REASON_GRAD if _needs_grad(q, k, v) else None)
+        q.device.type, q.device.index, d, backend, qk, pv, support.REASON_GRAD if support.needs_grad(q, k, v) else None)
 
     if path == support.SDPA:
         result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,

@@ -18,7 +18,9 @@ and in both integrations:
 why it cannot serve a call; :func:`select_path` walks it. A new kernel path (a Hopper kernel in
 Gluon, say) is one more entry there, placed before the paths it should be preferred to.
 :func:`call_gap` holds what no kernel path serves whatever the device (dropout, gradients, dtypes,
-shapes); the integrations ask it before anything else.
+shapes); the integrations ask it before anything else. Its argument rules (:func:`argument_gap`) are
+the ones :func:`hf_qattn.qattn` raises ``ValueError`` on: a call the API accepts is one the
+integrations do not fall back on for its arguments, and the reverse.
 """
 
 from __future__ import annotations
@@ -52,26 +54,55 @@ REASON_VALUE_DIM = "query/key/value head dims differ"
 REASON_HEAD_DIM = f"head_dim > {MAX_KERNEL_HEAD_DIM}"
 REASON_BATCH = "query/key/value batch sizes, or key/value heads and lengths, differ"
 REASON_HEADS = "query heads not a multiple of key/value heads"
+REASON_DEVICE = "query/key/value on different devices"
 # an sm90 GPU whose triton cannot build the Hopper kernel: the portable kernel serves, counted and warned
 REASON_NO_GLUON = "the sm90 Gluon kernel cannot be built with the installed triton"
+
+
+def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether autograd would flow through this attention call (the quantized kernels are inference-only)."""
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
+def argument_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[str, str] | None:
+    """(reason, message) when (B, H, N, D) tensors are not the q, k, v of one attention call, else None.
+
+    The one statement of these rules: :func:`hf_qattn.qattn` raises ``ValueError(message)`` at its
+    boundary; the integrations, handed such tensors by a model, fall back under ``reason``
+    (:func:`call_gap`). Zero heads on both sides is a call (an empty one); zero K/V heads for query
+    heads is not.
+    """
+    for name, t in (("q", query), ("k", key), ("v", value)):
+        if t.dtype not in DTYPES:
+            return REASON_DTYPE, f"{name} must be float16, bfloat16 or float32; got {t.dtype}"
+    if not (query.dtype == key.dtype == value.dtype):
+        return REASON_DTYPE, f"q, k and v must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
+    if not (query.device == key.device == value.device):
+        return REASON_DEVICE, f"q, k and v must be on one device; got {query.device}, {key.device}, {value.device}"
+    (b, hq, _, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = query.shape, key.shape, value.shape
+    if not (b == bk == bv):
+        return REASON_BATCH, f"q, k and v must have the same batch size; got {b}, {bk}, {bv}"
+    if not (d == dk == dv):
+        return REASON_VALUE_DIM, f"q, k and v must have the same head_dim; got {d}, {dk}, {dv}"
+    if (hk, nk) != (hv, nv):
+        return REASON_BATCH, f"k and v must have the same heads and tokens; got {(hk, nk)} and {(hv, nv)}"
+    if (hk == 0 and hq != 0) or (hk != 0 and hq % hk):
+        return REASON_HEADS, (f"q's heads ({hq}) must be a multiple of k/v's heads ({hk}), and k/v need a head "
+                              "when q has one")
+    return None
 
 
 def call_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout: float = 0.0) -> str | None:
     """Why no quantized path can serve attention on these (B, H, N, D) tensors, or None when one can."""
     if dropout and dropout > 0.0:
         return REASON_DROPOUT
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if needs_grad(query, key, value):
         return REASON_GRAD
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in DTYPES:
-        return REASON_DTYPE
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
-        return REASON_VALUE_DIM
+    bad = argument_gap(query, key, value)
+    if bad is not None:
+        return bad[0]
     if query.shape[-1] > MAX_KERNEL_HEAD_DIM:
         return REASON_HEAD_DIM
-    if not (query.shape[0] == key.shape[0] == value.shape[0]) or key.shape[1:3] != value.shape[1:3]:
-        return REASON_BATCH
-    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
-        return REASON_HEADS
     return None
 
 

@@ -45,8 +45,6 @@ def kernel_gap(named: dict) -> tuple[str | None, MaskPattern | None]:
         return "query/key/value are not 4-D (batch, heads, tokens, head_dim)", None
     if any(t.is_nested for t in (q, k, v)):
         return "nested tensors", None
-    if not (q.device == k.device == v.device):
-        return "query/key/value on different devices", None
     gap = call_gap(q, k, v, dropout=named["dropout_p"])
     if gap is not None:
         return gap, None
