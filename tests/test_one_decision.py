@@ -34,3 +34,23 @@ def test_qattn_accepts_exactly_the_arguments_the_integrations_do_not_fall_back_o
         accepted = False
     assert accepted == (support.call_gap(q, k, v) is None)
 
+
+def test_layer_accuracy_reads_causality_as_transformers_does(tiny_model):
+    """A module without ``is_causal`` runs causal in transformers' SDPA path; the per-layer accuracy capture
+    took it as not causal (its own default, False), so it scored attention the model never ran."""
+    from hf_qattn.evaluation.layer_accuracy import capture_attention_inputs
+
+    model = tiny_model("llama")
+    modules = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "q_proj")]
+    assert modules
+    for module in modules:
+        del module.is_causal
+    records = capture_attention_inputs(model, [{"input_ids": torch.randint(0, 128, (1, 6))}])
+    assert len(records) == len(modules) and all(record["causal"] for record in records)
+
+    from hf_qattn.integrations.transformers.attention import causal_call, resolve_pattern
+
+    q = torch.randn(1, 4, 6, 16)
+    assert causal_call(modules[0], None, 6) and resolve_pattern(modules[0], q, q, None, None, {})[0].causal
+    assert not causal_call(modules[0], False, 6) and not causal_call(modules[0], None, 1)
+

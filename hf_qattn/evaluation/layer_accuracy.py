@@ -14,6 +14,7 @@ import hf_qattn
 
 from .. import reference
 from ..calibration.metrics import accuracy
+from ..integrations.transformers.attention import causal_call, layer_index
 
 MODES = (("qattn-8b", "int8"), ("qattn-4b", "int4"))
 
@@ -39,14 +40,11 @@ def capture_attention_inputs(model, batches) -> list[dict]:
     order: dict[int, int] = {}
 
     def capture(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kwargs):
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            layer = getattr(module, "_qattn_layer_idx", None)
+        layer = layer_index(module)
         if not isinstance(layer, int):
             layer = order.setdefault(id(module), len(order))
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         records.append(dict(layer=layer, q=query.detach().float().clone(), k=key.detach().float().clone(),
-                            v=value.detach().float().clone(), causal=bool(causal) and query.shape[2] > 1,
+                            v=value.detach().float().clone(), causal=causal_call(module, is_causal, query.shape[2]),
                             scale=scaling))
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

@@ -139,14 +139,27 @@ def layer_split_channel(module) -> bool | None:
 # masks
 
 
+def causal_call(module, is_causal: bool | None, num_queries: int) -> bool:
+    """Whether an attention call masks causally by its flags (without a mask, SDPA's ``is_causal``): the
+    call's ``is_causal`` when given, else the module's, else True — with several queries only (one
+    query row sees every key either way).
+
+    This is transformers' own rule (``sdpa_attention_forward``): its attention modules set ``is_causal``,
+    True in decoders and False in encoders, and a module that sets none is taken as causal. Everything
+    that reads a transformers call's causality (the mask rules here, eager and compiled, and
+    :mod:`hf_qattn.evaluation.layer_accuracy`) asks this function, so none can read it otherwise.
+    """
+    flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    return bool(flag) and num_queries > 1
+
+
 def resolve_pattern(module, query, key, attention_mask, is_causal, kwargs) -> tuple[MaskPattern | None, str | None]:
     """(pattern, None) when the kernel reproduces the call's masking exactly, else (None, reason)."""
     batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None:
         # SDPA's rule without a mask: causal only for several queries, aligned top-left; keys past
         # the queries then only occur as the empty slots of a static cache at prefill: drop them.
-        causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        causal = bool(causal_flag) and nq > 1
+        causal = causal_call(module, is_causal, nq)
         if causal and nq > nk:
             return None, REASON_CAUSAL_SHAPE
         return MaskPattern(causal, nq if causal else nk), None
@@ -189,8 +202,7 @@ def _additive_mask(attention_mask, query, key, is_causal, module):
     """The mask as eager attention wants it: float, 0 where seen and the dtype's minimum elsewhere."""
     nq, nk = query.shape[2], key.shape[2]
     if attention_mask is None:
-        causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if not (causal_flag and nq > 1):
+        if not causal_call(module, is_causal, nq):
             return None
         rows = torch.arange(nq, device=query.device)[:, None]
         attention_mask = (torch.arange(nk, device=query.device)[None, :] <= rows)[None, None]  # SDPA: top-left
@@ -373,8 +385,7 @@ def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
         return None, None, REASON_COMPILE_WINDOW
     if nq > 1 and nq != nk:
         return None, None, REASON_COMPILE_OFFSET
-    causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal_flag) and nq > 1
+    causal = causal_call(module, is_causal, nq)
     grid = attention_mask[:, 0]
     seen = grid.any(dim=1)  # (B, Nk): keys some query sees
     cols = torch.arange(nk, device=attention_mask.device)
