@@ -186,10 +186,7 @@ def _decide(device_type: str, device_index, head_dim: int, backend: str, qk: str
     if backend == "auto":
         qk = support.effective_qk(probe, qk)  # int4 runs INT8 on Hopper (no INT4 tensor cores there)
     path, reason = support.select_path(probe, backend, qk, pv, gap=gap)
-    if reason is not None:
-        stats.record_fallback(reason, path)
-    else:
-        stats.record_call(path)
+    stats.record(path, reason)  # under torch.compile this runs while tracing (_decide_once): once per call site
     if path == support.TRITON and pv == "fp8" and not support.has_fp8_mma(probe.device):
         pv = "fp16"  # no FP8 tensor cores (Ampere): P·V runs in FP16, as documented for ``pv``
     return path, qk, pv

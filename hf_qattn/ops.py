@@ -107,10 +107,7 @@ def run(q, k, v, kv_start, kv_end, **options):
 def _record_now(path: str, reason) -> int:
     from . import stats
 
-    if reason is None:
-        stats.record_call(path)
-    else:
-        stats.record_fallback(reason, path)
+    stats.record(path, reason)
     return 0
 
 

@@ -45,6 +45,16 @@ def record_fallback(reason: str, path: str = "sdpa") -> None:
         )
 
 
+def record(path: str, reason: str | None = None) -> None:
+    """Count a call served by ``path``: a fallback when there is a ``reason`` (warned once), else a
+    call of that path. What every caller counts with (through :func:`hf_qattn.ops.record` where the
+    call may be inside ``torch.compile``)."""
+    if reason is None:
+        record_call(path)
+    else:
+        record_fallback(reason, path)
+
+
 def record_degraded(reason: str, path: str) -> None:
     """Count ``reason`` for a call that a slower quantized ``path`` serves than this GPU has (the sm90 kernel
     cannot be built with the installed triton, say); warned once. The call itself is counted by the caller."""

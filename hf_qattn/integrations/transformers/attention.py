@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from ... import api, masks, ops, stats, support
+from ... import api, masks, ops, support
 from ...kv_cache import attention as kv_attention
 from ...masks import MaskPattern, visible_keys
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
@@ -304,12 +304,12 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
 
     precision = layer_precision(module)
     if precision == UNQUANTIZED:
-        stats.record_call(support.UNQUANTIZED_BY_PLAN)
+        ops.record(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
     pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
     if reason is not None:
-        stats.record_fallback(reason, full_precision_path(kwargs))
+        ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
     split = layer_split_channel(module)
