@@ -21,17 +21,15 @@ class QAttnCacheError(RuntimeError):
     """The quantized cache was used in a way it cannot serve (wrong attention implementation, overflow, ...)."""
 
 
-def _use_kernels(device: torch.device) -> bool:
-    from ..kernels import tuning  # needs triton
-
-    return device.type == "cuda" or tuning.interpreting()
-
-
 def _kernels_available(device: torch.device) -> bool:
+    """Whether the cache on ``device`` runs the Triton append and decode kernels (CUDA, or any device under
+    the Triton interpreter) or their PyTorch reference: the one choice for writing and for reading the
+    cache (:meth:`QAttnLayer._append <hf_qattn.kv_cache.cache.QAttnLayer._append>`, :func:`packed_attention`)."""
     try:
-        return _use_kernels(device)
+        from ..kernels import tuning  # needs triton
     except ImportError:
         return False
+    return device.type == "cuda" or tuning.interpreting()
 
 
 class PackedKV(torch.Tensor):
