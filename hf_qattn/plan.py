@@ -195,6 +195,36 @@ class QAttnPlan:
         return plan.validate(num_layers)
 
     @classmethod
+    def resolve(cls, value, *, num_layers: int | None = None, stored: bool = False) -> "QAttnPlan | None":
+        """The plan ``value`` names, checked for a model of ``num_layers`` attention layers; None for None.
+
+        The one reading of a plan argument or a stored plan, for every integration and the cache:
+
+        - a :class:`QAttnPlan` (validated in place and returned), or a plan dict (:meth:`from_dict`);
+        - one precision for every layer (``"int8"``, ``"int4"``, ``"unquantized"``; legacy spellings read
+          as :data:`LEGACY_SPELLINGS`) — not when ``stored``: a config's ``qattn_plan`` is the dict
+          :meth:`to_dict` writes (a string there is a PlanError, as every other malformed entry).
+
+        A plan that says it was made for another number of layers (``num_layers`` in it) is a PlanError,
+        as are indices out of range; anything else is a TypeError.
+        """
+        if value is None:
+            return None
+        if isinstance(value, QAttnPlan) or isinstance(value, Mapping) or stored:
+            plan = cls.from_dict(value)  # a stored non-dict: PlanError, "must be a dict"
+        elif isinstance(value, str):
+            plan = cls(default=_precision(value, "plan"))
+        else:
+            raise TypeError(f"plan must be a QAttnPlan, a plan dict, or one of {PRECISIONS} for every layer; "
+                            f"got {type(value).__name__}")
+        num_layers = _count(num_layers, "num_layers")
+        if num_layers is not None and plan.num_layers is not None and plan.num_layers != num_layers:
+            # before the index check: a plan for another model says so, not which index is out of range
+            raise PlanError(f"qattn_plan.num_layers is {plan.num_layers} but the model has {num_layers} attention "
+                            "layers: the plan was made for another model")
+        return plan.validate(num_layers)
+
+    @classmethod
     def from_scores(
         cls,
         scores: Mapping[Hashable, float],

@@ -54,3 +54,47 @@ def test_layer_accuracy_reads_causality_as_transformers_does(tiny_model):
     assert causal_call(modules[0], None, 6) and resolve_pattern(modules[0], q, q, None, None, {})[0].causal
     assert not causal_call(modules[0], False, 6) and not causal_call(modules[0], None, 1)
 
+
+# -- plan resolution: one resolver (QAttnPlan.resolve) for the cache, both integrations, eager and compiled
+
+def _llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                       vocab_size=16, **overrides)
+
+
+def test_the_cache_refuses_a_plan_made_for_another_model_as_the_integrations_do():
+    """QAttnCache checked a plan's indices but not its layer count; the integrations refused the plan."""
+    from hf_qattn.integrations.transformers.attention import plan_from_config
+
+    other = hf_qattn.QAttnPlan(default="int4", num_layers=12)
+    for plan in (other, other.to_dict()):
+        with pytest.raises(hf_qattn.PlanError, match="made for another model"):
+            hf_qattn.QAttnCache(_llama_config(), plan=plan)
+    stored = _llama_config(qattn_plan=other.to_dict())
+    for read in (plan_from_config, hf_qattn.QAttnCache):
+        with pytest.raises(hf_qattn.PlanError, match="made for another model"):
+            read(stored)
+    with pytest.raises(TypeError, match="plan must be"):  # was a PlanError ("must be a dict"); patch: TypeError
+        hf_qattn.QAttnCache(_llama_config(), plan=0.5)
+    assert hf_qattn.QAttnCache(_llama_config(), plan="fp16").precisions() == ["DynamicLayer"] * 3
+
+
+def test_compiled_attention_refuses_the_plan_eager_attention_refuses(tiny_model):
+    """The compiled attention read config.qattn_plan without the model's layer count: a plan made for another
+    model ran under torch.compile and raised eagerly."""
+    model = tiny_model("llama", attn="qattn")
+    model.config.qattn_plan = hf_qattn.QAttnPlan(default="int4", num_layers=12).to_dict()
+    ids = torch.randint(0, 128, (1, 6))
+
+    def forward(ids):
+        return model(input_ids=ids, use_cache=False).last_hidden_state
+
+    with torch.no_grad():
+        with pytest.raises(hf_qattn.PlanError, match="made for another model"):
+            forward(ids)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="made for another model"):
+            torch.compile(forward, backend="eager", fullgraph=True)(ids)
+    torch._dynamo.reset()

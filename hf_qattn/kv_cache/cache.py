@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..plan import PLAN_CONFIG_KEY, PLAN_VERSION, QAttnPlan
+from ..plan import PLAN_CONFIG_KEY, QAttnPlan
 from . import reference
 from .attention import PackedKV, QAttnCacheError, _kernels_available, is_packed  # noqa: F401
 
@@ -300,15 +300,6 @@ def _layer_specs(config) -> tuple[list[str], list[dict]]:
     return layer_types, layer_kwargs
 
 
-def _plan_of(config, plan, num_layers: int) -> QAttnPlan | None:
-    if plan is None:
-        data = getattr(config, PLAN_CONFIG_KEY, None)
-        return None if data is None else QAttnPlan.from_dict(data, num_layers=num_layers)
-    if isinstance(plan, str):  # one precision for every layer
-        return QAttnPlan.from_dict({"version": PLAN_VERSION, "default": plan}, num_layers=num_layers)
-    return QAttnPlan.from_dict(plan, num_layers=num_layers)
-
-
 class QAttnCache(Cache):
     """A transformers ``Cache`` whose full-attention layers are stored quantized (see the module docstring).
 
@@ -328,7 +319,10 @@ class QAttnCache(Cache):
         config = getattr(model_or_config, "config", model_or_config)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types, layer_kwargs = _layer_specs(text)
-        self.plan = _plan_of(text, plan, len(layer_types))
+        if plan is None:
+            self.plan = QAttnPlan.resolve(getattr(text, PLAN_CONFIG_KEY, None), num_layers=len(layer_types), stored=True)
+        else:
+            self.plan = QAttnPlan.resolve(plan, num_layers=len(layer_types))
         self._static_max_len, self._center_sample = static_max_len, center_sample
         super().__init__(layers=[self._make_layer(i, kind, kwargs)
                                  for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))])

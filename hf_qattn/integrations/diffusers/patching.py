@@ -136,7 +136,7 @@ def stored_plan(model: torch.nn.Module) -> QAttnPlan | None:
         if path and os.path.isfile(path):
             with open(path, encoding="utf-8") as file:
                 data = json.load(file).get(PLAN_CONFIG_KEY)
-    return None if data is None else QAttnPlan.from_dict(data)
+    return QAttnPlan.resolve(data, stored=True)
 
 
 def store_plan(model: torch.nn.Module, plan: QAttnPlan) -> None:
@@ -166,23 +166,14 @@ def load_plan(path: str | os.PathLike) -> QAttnPlan:
 
 
 def _resolve_plan(plan, model: torch.nn.Module, num_layers: int) -> QAttnPlan:
+    """The plan ``patch`` runs: :meth:`QAttnPlan.resolve` of ``plan``, or of the model's stored plan when
+    None (``"int8"`` everywhere without one); a string that names no precision, or a path, is a plan file."""
     if plan is None:
-        resolved = stored_plan(model) or QAttnPlan(default=DEFAULT_PRECISION)
-    elif isinstance(plan, QAttnPlan):
-        resolved = plan
-    elif isinstance(plan, str) and (plan in PRECISIONS or plan in LEGACY_SPELLINGS):
-        resolved = QAttnPlan(default=plan)
-    elif isinstance(plan, Mapping):
-        resolved = QAttnPlan.from_dict(plan)
-    elif isinstance(plan, (str, os.PathLike)):
-        resolved = load_plan(plan)
-    else:
-        raise TypeError("plan must be None (use the model's stored plan), a QAttnPlan, a plan dict, one of "
-                        f"{PRECISIONS} for every layer, or a path to a plan JSON; got {type(plan).__name__}")
-    if resolved.num_layers is not None and resolved.num_layers != num_layers:
-        raise PlanError(f"plan was made for {resolved.num_layers} attention layers; "
-                        f"{type(model).__name__} has {num_layers}")
-    return resolved.validate(num_layers)
+        plan = stored_plan(model) or QAttnPlan(default=DEFAULT_PRECISION)
+    elif isinstance(plan, os.PathLike) or (isinstance(plan, str) and plan not in PRECISIONS
+                                           and plan not in LEGACY_SPELLINGS):
+        plan = load_plan(plan)
+    return QAttnPlan.resolve(plan, num_layers=num_layers)
 
 
 # -- routing ------------------------------------------------------------------------------------

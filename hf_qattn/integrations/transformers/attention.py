@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import sys
 import threading
 
@@ -33,7 +34,7 @@ import torch
 from ... import api, masks, ops, support
 from ...kv_cache import attention as kv_attention
 from ...masks import MaskPattern, visible_keys
-from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan
+from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan  # noqa: F401 (re-exported)
 from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
                        REASON_HEAD_DIM, REASON_HEADS, REASON_VALUE_DIM)
 
@@ -75,16 +76,9 @@ def _num_layers(config) -> int | None:
 
 
 def plan_from_config(config) -> QAttnPlan | None:
-    """The config's plan (validated against its layer count), or None when it carries none."""
-    data = getattr(config, PLAN_CONFIG_KEY, None)
-    if data is None:
-        return None
-    num_layers = _num_layers(config)
-    plan = QAttnPlan.from_dict(data, num_layers=num_layers)
-    if num_layers is not None and plan.num_layers is not None and plan.num_layers != num_layers:
-        raise PlanError(f"qattn_plan.num_layers is {plan.num_layers} but the model has {num_layers} layers "
-                        "(config.num_hidden_layers): the plan was made for another model")
-    return plan
+    """The config's plan (checked against its layer count: :meth:`QAttnPlan.resolve`), or None when it
+    carries none."""
+    return QAttnPlan.resolve(getattr(config, PLAN_CONFIG_KEY, None), num_layers=_num_layers(config), stored=True)
 
 
 _plan_cache: dict[int, tuple] = {}
@@ -92,16 +86,15 @@ _plan_cache_lock = threading.Lock()
 
 
 def _cached_plan(config) -> QAttnPlan | None:
-    # Parsing a plan on every call would cost more than a small attention; reuse it while the dict is unchanged.
+    # Resolving a plan on every call would cost more than a small attention; reuse it while the config's
+    # plan (a dict, or a QAttnPlan) is the same object with the same content.
     data = getattr(config, PLAN_CONFIG_KEY, None)
     if data is None:
         return None
-    if isinstance(data, QAttnPlan):
-        return data
     entry = _plan_cache.get(id(data))
     if entry is not None and entry[0] is data and entry[1] == data:
         return entry[2]
-    plan = plan_from_config(config)
+    plan = plan_from_config(config)  # a QAttnPlan is validated in place: snapshot it afterwards
     with _plan_cache_lock:
         if len(_plan_cache) > 256:
             _plan_cache.clear()
@@ -112,11 +105,18 @@ def _cached_plan(config) -> QAttnPlan | None:
 def _snapshot(data):
     if isinstance(data, dict):
         return {key: _snapshot(value) for key, value in data.items()}
+    if isinstance(data, QAttnPlan):
+        return copy.deepcopy(data)
     return data
 
 
+def _module_config(module):
+    """The model config an attention module reads its plan from (stamped at construction when it has none)."""
+    return getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+
+
 def _module_plan(module) -> QAttnPlan | None:
-    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+    config = _module_config(module)
     return _cached_plan(config) if config is not None else None
 
 
@@ -348,7 +348,7 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
     if kv_attention.is_packed(key) or _active_calibrations:
         return _eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, is_causal=is_causal, **kwargs)
-    precision = _traced_precision(module)
+    precision, split = _traced_layer(module)
     if precision == UNQUANTIZED:
         ops.record(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -361,14 +361,22 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    out = _quantized(query, key, value, pattern, precision, scaling, _traced_split_channel(module))
+    out = _quantized(query, key, value, pattern, precision, scaling, split)
     if exact is not None:
         out = torch.where(exact.view(-1, 1, 1, 1), out, float("nan"))
     return out.transpose(1, 2).contiguous(), None
 
 
 def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
-    """(pattern, exact, None) with ``exact`` a (batch,) bool tensor or None, else (None, None, reason)."""
+    """(pattern, exact, None) with ``exact`` a (batch,) bool tensor or None, else (None, None, reason).
+
+    :func:`resolve_pattern` under ``torch.compile``. What they share is one function each: no mask goes
+    to :func:`resolve_pattern` itself, causality by the flags is :func:`causal_call`. What differs must:
+    eager mode reads a mask by value (:func:`hf_qattn.masks.cached_analysis` finds causal, the key range
+    and whether they reproduce the mask, on the host), which inside a graph would be a break and a
+    device sync. Here causality comes from the flags, the key range stays a tensor, and exactness is a
+    tensor the caller turns into NaN rows; shapes the kernel cannot take without a value read fall back.
+    """
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype != torch.bool:
         # eager mode analyses additive masks (hf_qattn.masks), which reads values: not inside a graph
         return None, None, REASON_COMPILE_FLOAT_MASK
@@ -398,34 +406,24 @@ def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
     return pattern, exact.expand(batch), None
 
 
-def _traced_precision(module) -> str:
-    """:func:`layer_precision` under ``torch.compile``: the plan is a constant of the compiled graph
-    (change ``config.qattn_plan`` after compiling and call ``torch._dynamo.reset()``). Only plain values
-    cross into the constant function: torch 2.11's dynamo cannot hold an nn.Module as a constant."""
-    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
+def _traced_layer(module) -> tuple[str, bool | None]:
+    """(:func:`layer_precision`, :func:`layer_split_channel`) under ``torch.compile``: the plan is read
+    by the same resolver, while tracing, and its answer is a constant of the compiled graph (change
+    ``config.qattn_plan`` after compiling and call ``torch._dynamo.reset()``). Only plain values cross
+    into the constant function: torch 2.11's dynamo cannot hold an nn.Module as a constant."""
+    config = _module_config(module)
     data = getattr(config, PLAN_CONFIG_KEY, None) if config is not None else None
     if data is None:
-        return DEFAULT_PRECISION
-    return _precision_once(data.to_dict() if isinstance(data, QAttnPlan) else data, layer_index(module))
+        return DEFAULT_PRECISION, None
+    data = data.to_dict() if isinstance(data, QAttnPlan) else data
+    precision, split = _layer_once(data, _num_layers(config), layer_index(module))
+    return precision, (True if split else None)
 
 
 @torch._dynamo.assume_constant_result
-def _precision_once(plan_data: dict, index) -> str:
-    return QAttnPlan.from_dict(plan_data).precision(index)
-
-
-def _traced_split_channel(module) -> bool | None:
-    """:func:`layer_split_channel` under ``torch.compile`` (a constant of the graph, as the precision)."""
-    config = getattr(module, "config", None) or getattr(module, "_qattn_config", None)
-    data = getattr(config, PLAN_CONFIG_KEY, None) if config is not None else None
-    if data is None:
-        return None
-    return True if _splits_once(data.to_dict() if isinstance(data, QAttnPlan) else data, layer_index(module)) else None
-
-
-@torch._dynamo.assume_constant_result
-def _splits_once(plan_data: dict, index) -> bool:
-    return QAttnPlan.from_dict(plan_data).splits(index)
+def _layer_once(plan_data, num_layers, index) -> tuple[str, bool]:
+    plan = QAttnPlan.resolve(plan_data, num_layers=num_layers, stored=True)
+    return plan.precision(index), plan.splits(index)
 
 
 _eager_attention_forward = torch.compiler.disable(qattn_attention_forward)
