@@ -14,17 +14,10 @@ import hf_qattn
 
 from .. import reference
 from ..calibration.metrics import accuracy
+from ..progress import track
 from ..integrations.transformers.attention import causal_call, layer_index
 
 MODES = (("qattn-8b", "int8"), ("qattn-4b", "int4"))
-
-
-def _progress(iterable, **options):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress bars are optional
-        return iterable
-    return tqdm(iterable, **options)
 
 
 def capture_attention_inputs(model, batches) -> list[dict]:
@@ -67,7 +60,7 @@ def capture_attention_inputs(model, batches) -> list[dict]:
 def per_layer_accuracy(records, modes=MODES) -> dict:
     """{mode: {layer: [Accuracy per window]}} of hf_qattn.qattn against float64 attention."""
     out: dict = {label: {} for label, _ in modes}
-    for record in _progress(records, desc="per-layer accuracy", leave=False):
+    for record in track(records, "per-layer accuracy", leave=False):
         q, k, v = record["q"], record["k"], record["v"]
         exact = reference.exact_attention(q, k, v, is_causal=record["causal"], sm_scale=record["scale"])
         for label, qk in modes:
