@@ -33,9 +33,10 @@ def test_captured_generate_gives_transformers_tokens(seed, fresh_stats, options)
     model = _model()
     ids = torch.randint(1, 128, (2, 11), device=DEVICE)
     torch.manual_seed(seed)
-    want = _generate(model, ids, False, max_new_tokens=9, **options)
+    # min_new_tokens: the random model's config has an EOS token it may draw
+    want = _generate(model, ids, False, max_new_tokens=9, min_new_tokens=9, **options)
     torch.manual_seed(seed)
-    got = _generate(model, ids, True, max_new_tokens=9, **options)
+    got = _generate(model, ids, True, max_new_tokens=9, min_new_tokens=9, **options)
     assert got.shape == (2, 20) and torch.equal(got, want)
     assert fresh_stats()["fallbacks"] == {}
 
@@ -43,7 +44,7 @@ def test_captured_generate_gives_transformers_tokens(seed, fresh_stats, options)
 def test_captured_generate_stops_at_eos_and_pads_finished_rows(seed):
     model = _model()
     ids = torch.randint(1, 128, (2, 11), device=DEVICE)
-    free = _generate(model, ids, False, max_new_tokens=8, do_sample=False)
+    free = _generate(model, ids, False, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     eos = int(free[0, 13])  # row 0's third new token ends its generation
     want = _generate(model, ids, False, max_new_tokens=8, do_sample=False, eos_token_id=eos)
     got = _generate(model, ids, True, max_new_tokens=8, do_sample=False, eos_token_id=eos)
@@ -55,8 +56,8 @@ def test_captured_generate_returns_a_dict_with_the_cache(seed):
     model = _model()
     ids = torch.randint(1, 128, (1, 7), device=DEVICE)
     cache = hf_qattn.QAttnCache(model)
-    out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, do_sample=False, pad_token_id=0,
-                         return_dict_in_generate=True, custom_generate=hf_qattn.captured_generate)
+    out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         pad_token_id=0, return_dict_in_generate=True, custom_generate=hf_qattn.captured_generate)
     assert out.sequences.shape == (1, 11)
     # static storage for the prompt and max_new_tokens, in whole 16-token blocks; the last token is not
     # appended (no step needs it)
