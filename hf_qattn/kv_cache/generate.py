@@ -25,6 +25,8 @@ and runs transformers' own sampling loop on the same cache (eager qattn), counte
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..stats import record_degraded
@@ -77,8 +79,11 @@ def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stop
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    prefill = {keyword: cache}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        prefill["logits_to_keep"] = 1  # the prompt's last position only (a 16k prompt's logits are gigabytes)
     with torch.no_grad():
-        logits = model(input_ids, use_cache=True, **{keyword: cache}).logits[:, -1]
+        logits = model(input_ids, use_cache=True, **prefill).logits[:, -1]
         step = CapturedDecodeStep(model, cache) if input_ids.device.type == "cuda" else _EagerStep(model, cache)
         while True:
             scores = logits_processor(input_ids, logits.to(dtype=torch.float32, copy=True))
