@@ -120,19 +120,15 @@ def _module_plan(module) -> QAttnPlan | None:
     return _cached_plan(config) if config is not None else None
 
 
-def layer_precision(module) -> str:
-    """Precision this attention module runs: from the plan by layer index, else :data:`DEFAULT_PRECISION`."""
+def layer_settings(module) -> tuple[str, bool | None]:
+    """(precision, split_channel) of this attention module, from the plan by layer index: the precision
+    (else :data:`DEFAULT_PRECISION`), and True where calibration found a K outlier channel in the layer
+    (qattn then computes it apart), else None: qattn's default (``HF_QATTN_SPLIT_CHANNEL``)."""
     plan = _module_plan(module)
     if plan is None:
-        return DEFAULT_PRECISION
-    return plan.precision(layer_index(module))
-
-
-def layer_split_channel(module) -> bool | None:
-    """True where the plan found a K outlier channel in this layer (qattn then computes it apart), else
-    None: qattn's default (``HF_QATTN_SPLIT_CHANNEL``)."""
-    plan = _module_plan(module)
-    return True if plan is not None and plan.splits(layer_index(module)) else None
+        return DEFAULT_PRECISION, None
+    layer = layer_index(module)
+    return plan.precision(layer), (True if plan.splits(layer) else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,7 +298,7 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
             observer.skip(module, reason)
         return out
 
-    precision = layer_precision(module)
+    precision, split = layer_settings(module)
     if precision == UNQUANTIZED:
         ops.record(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -312,7 +308,6 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    split = layer_split_channel(module)
     return _quantized(query, key, value, pattern, precision, scaling, split).transpose(1, 2).contiguous(), None
 
 
@@ -407,7 +402,7 @@ def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
 
 
 def _traced_layer(module) -> tuple[str, bool | None]:
-    """(:func:`layer_precision`, :func:`layer_split_channel`) under ``torch.compile``: the plan is read
+    """:func:`layer_settings` under ``torch.compile``: the plan is read
     by the same resolver, while tracing, and its answer is a constant of the compiled graph (change
     ``config.qattn_plan`` after compiling and call ``torch._dynamo.reset()``). Only plain values cross
     into the constant function: torch 2.11's dynamo cannot hold an nn.Module as a constant."""
