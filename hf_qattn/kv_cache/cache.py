@@ -56,6 +56,10 @@ _BLOCK_TOKENS = 16
 _GROWTH_DIVISOR = 16
 
 
+def _whole_blocks(tokens: int) -> int:
+    return -(-tokens // _BLOCK_TOKENS) * _BLOCK_TOKENS
+
+
 class CacheStorage(NamedTuple):
     """A read view of a :class:`QAttnLayer`'s storage (the tensors themselves, not copies; only the layer
     writes them): what the attention over the cache reads.
@@ -137,7 +141,7 @@ class QAttnLayer(CacheLayerMixin):
         if self.max_len is not None:
             raise QAttnCacheError(f"QAttnCache(static_max_len={self.max_len}) is full: {needed} tokens asked for")
         capacity = max(needed, self._capacity + max(_BLOCK_TOKENS, self._capacity // _GROWTH_DIVISOR))
-        self._allocate(-(-capacity // _BLOCK_TOKENS) * _BLOCK_TOKENS)
+        self._allocate(_whole_blocks(capacity))
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[-2]
@@ -173,7 +177,7 @@ class QAttnLayer(CacheLayerMixin):
             return
         # whole blocks: the scales' strides stay divisible by 16, as every other capacity's (no new kernel
         # specialization for a generate of an odd length)
-        self.max_len = max(self.max_len or 0, -(-tokens // _BLOCK_TOKENS) * _BLOCK_TOKENS)
+        self.max_len = max(self.max_len or 0, _whole_blocks(tokens))
 
     def advance_after_replay(self, tokens: int = 1) -> None:
         """Count ``tokens`` appended by a replayed CUDA graph: the captured append already wrote them and
