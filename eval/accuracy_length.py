@@ -27,6 +27,7 @@ import triton
 
 from hf_qattn.kernels import launch, tuning
 from hf_qattn.calibration.metrics import accuracy
+import report  # noqa: E402  (eval/report.py)
 
 SDPA = torch.nn.attention.SDPBackend
 ROWS = 2048
@@ -117,7 +118,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        report.write(args.out, text)
     if args.check:
         name = next(m for m in methods if m.endswith("(shipped)"))
         growth = results["v-mean", name, lengths[-1]].rel_l1 / results["v-mean", name, lengths[0]].rel_l1

@@ -57,6 +57,7 @@ if not torch.cuda.is_available():  # the kernels run under Triton's interpreter,
 
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
 from timing import events_ms, host_us  # noqa: E402  (eval/timing.py)
+import report  # noqa: E402  (eval/report.py)
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
@@ -698,10 +699,7 @@ def main(argv=None) -> int:
                   "`custom_generate=hf_qattn.captured_generate`.", ""]
         lines += generate_call_table(crows) + [""]
     text = "\n".join(lines)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode-{gpu.replace(' ', '-')}-{date}{'-tiny' if args.tiny else ''}.md")
-    with open(path, "w") as f:
-        f.write(text + "\n")
+    path = report.write(report.result_path("decode-tiny" if args.tiny else "decode", args.out), text)
     log("")
     log(text)
     log(f"\nwritten: {path}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 
 import torch
@@ -28,6 +27,7 @@ from hf_qattn.kernels import launch, tuning
 from hf_qattn.calibration.metrics import accuracy
 
 from synthetic import outlier_qkv  # eval/synthetic.py
+import report  # eval/report.py
 from timing import bench_graph_ms, bench_ms  # eval/timing.py
 
 SDPA = torch.nn.attention.SDPBackend
@@ -318,13 +318,10 @@ def main():
 
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"kernels-{gpu.replace(' ', '-')}-{date}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = report.result_path("kernels", args.out)
 
     def save():  # after every section, so a run cut short still leaves its tables
-        with open(out, "w") as f:
-            f.write("\n".join(sections))
+        report.write(out, "\n".join(sections))
     header = (f"GPU: {gpu} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), date {date}, "
               f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
               f"python {platform.python_version()}, hf_qattn {hf_qattn.__version__}, "

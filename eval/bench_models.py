@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 
 import torch
@@ -28,6 +27,7 @@ import hf_qattn
 from hf_qattn import QAttnPlan
 
 from timing import events_ms  # eval/timing.py
+import report  # noqa: E402  (eval/report.py)
 
 
 def log(*args):
@@ -167,11 +167,7 @@ def main():
         sections.append(markdown(rows))
     sections.append(f"Calls by path and fallbacks during the run: `{hf_qattn.fallback_stats()}`\n")
     log(sections[-1])
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"models-{name.replace(' ', '-')}-{date}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(sections))
+    out = report.write(report.result_path("models", args.out), "\n".join(sections))
     log(f"wrote {out}")
 
 

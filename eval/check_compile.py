@@ -24,8 +24,6 @@ as markdown under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import time
 import traceback
@@ -38,6 +36,7 @@ import transformers
 import hf_qattn
 from hf_qattn.kv_cache.captured import cache_argument
 
+import report  # eval/report.py
 from timing import events_ms  # eval/timing.py
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
@@ -339,15 +338,11 @@ def main() -> int:
         for name, build in (("wan denoiser", wan), ("flux denoiser", flux)):
             if name.split()[0] not in args.skip:
                 denoiser_case(name, build)(args)
-    device = torch.cuda.get_device_name()
     stats = hf_qattn.fallback_stats()
-    text = (f"# torch.compile check — {device}, torch {torch.__version__}, {datetime.date.today()}\n\n"
+    text = (f"# torch.compile check — {report.device_name()}, {report.today()}\n\n{report.versions('transformers')}\n\n"
             f"{table()}\n\nfallback_stats: {stats}\n\nfailed: {FAILED or 'none'}; "
             f"{time.time() - started:.0f} s\n")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"compile-{device.replace(' ', '-')}-{datetime.date.today()}.md")
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(text)
+    path = report.write(report.result_path("compile", args.out), text)
     print("\n" + text + f"written to {path}")
     return 1 if FAILED else 0
 

@@ -24,8 +24,8 @@ Each case runs in its own try/except; the table is printed last and written to <
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
+import pathlib
 import random
 import sys
 import traceback
@@ -37,6 +37,8 @@ if not torch.cuda.is_available():  # the kernels run under Triton's interpreter,
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+import report  # noqa: E402  (eval/report.py)
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
@@ -211,10 +213,10 @@ def main(argv=None) -> int:
     else:
         rows_captured = []
 
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter"
-    date = datetime.date.today().isoformat()
+    gpu = report.device_name() if device == "cuda" else "cpu-interpreter"
+    date = report.today()
     failed = [r for r in rows + rows_captured if not r["pass"]]
-    lines = [f"# Decode kernel check — {gpu}, {date}", "",
+    lines = [f"# Decode kernel check — {gpu}, {date}", "", report.versions("transformers"), "",
              f"{len(rows) + len(rows_captured) - len(failed)} of {len(rows) + len(rows_captured)} checks pass "
              f"(seed {args.seed}).", "",
              "| case | append == reference | max err / max|ref| | tolerance | relL1 vs exact (unquantized) | repeat identical | count from device ok | result |",
@@ -230,10 +232,7 @@ def main(argv=None) -> int:
                                     f"{r['logit_err']:.2e}; tokens cached (eager, captured, device count) {r['length']}")
         lines += ["", f"{r['case']}: {detail} — {'pass' if r['pass'] else 'FAIL'}"]
     text = "\n".join(lines)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"check-decode-{gpu.replace(' ', '-')}-{date}.md")
-    with open(path, "w") as f:
-        f.write(text + "\n")
+    path = report.write(pathlib.Path(args.out) / f"check-decode-{gpu.replace(' ', '-')}-{date}.md", text)
     print()
     print(text)
     print(f"\nwritten: {path}")

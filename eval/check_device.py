@@ -32,7 +32,7 @@ from hf_qattn.kernels import launch, tuning
 from hf_qattn.calibration.metrics import accuracy
 
 from accuracy_length import hopper as hopper_at_pv_tiles, inputs as length_inputs, reference_rows  # eval/
-from check_report import finish
+from report import finish  # eval/report.py
 from synthetic import outlier_qkv
 
 

@@ -16,7 +16,6 @@ Exits non-zero on a mismatch; writes the table to <out>/fast-launch-<gpu>-<date>
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import statistics
@@ -27,6 +26,7 @@ import torch
 import hf_qattn
 from hf_qattn.kernels import decode_launch, fast_launch
 
+import report  # eval/report.py
 from timing import events_ms, host_us  # eval/timing.py
 
 PREFILL = [  # b, hq, hk, nq, nk, d, causal, dtype, layout, kv range, lse
@@ -146,17 +146,12 @@ def main():
     timing.append(f"| eager ms a call, cuDNN SDPA same shape | {cudnn:.4f} | |")
     timing.append(f"| qattn / cuDNN eager time | {results['0'][2] / cudnn:.2f} | {results['1'][2] / cudnn:.2f} |")
 
-    import triton
-
-    gpu = torch.cuda.get_device_name()
-    report = "\n".join([f"# Fast launch — {gpu}, {datetime.date.today()}", "",
-                        f"torch {torch.__version__}, triton {triton.__version__}. Command: "
-                        "`python3 eval/check_fast_launch.py`", "", "## Same results, bit for bit", "", *lines,
-                        "", "## Host time", "", *timing, ""])
-    print(report)
+    text = "\n".join([f"# Fast launch — {report.device_name()}, {report.today()}", "",
+                      f"{report.versions()}. Command: `python3 eval/check_fast_launch.py`", "",
+                      "## Same results, bit for bit", "", *lines, "", "## Host time", "", *timing, ""])
+    print(text)
     if args.out:
-        with open(os.path.join(args.out, f"fast-launch-{gpu.replace(' ', '-')}-{datetime.date.today()}.md"), "w") as f:
-            f.write(report)
+        report.write(report.result_path("fast-launch", args.out), text)
     print("FAILED" if failed else "all equal")
     return 1 if failed else 0
 

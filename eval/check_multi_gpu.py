@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import hf_qattn
 from hf_qattn.reference import exact_attention
 
-from check_report import finish  # eval/check_report.py
+from report import finish  # eval/report.py
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,6 +26,7 @@ import torch
 
 import hf_qattn
 from hf_qattn.evaluation import pipeline as pipeline_eval
+import report  # noqa: E402  (eval/report.py)
 
 
 WORDS = ["<pad>", "</s>", "<unk>"] + "a an the cat dog fox sits runs on in mat snow red blue sky".split()
@@ -158,11 +159,7 @@ def main():
     lines += ["| " + " | ".join(cell(row.get(key)) for key in keys) + " |" for row in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().replace(" ", "-")
-    path = os.path.join(args.out, f"pipeline-quality-{device}-{datetime.date.today()}.md")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    path = report.write(report.result_path("pipeline-quality", args.out), text)
     print("wrote", path)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 from collections import defaultdict
 
 import torch
@@ -29,6 +28,7 @@ import hf_qattn
 from hf_qattn.kernels import launch, tuning
 
 from timing import events_ms, graph_ms, host_us  # eval/timing.py
+import report  # noqa: E402  (eval/report.py)
 
 SDPA = torch.nn.attention.SDPBackend
 
@@ -80,9 +80,7 @@ def stages_sweep(args):
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        path = os.path.join(args.out, f"stages-{torch.cuda.get_device_name().replace(' ', '-')}-{datetime.date.today()}.md")
-        with open(path, "w") as f:
-            f.write(text)
+        report.write(report.result_path("stages", args.out), text)
 
 
 def main():
@@ -184,9 +182,7 @@ def main():
     text = "\n".join(lines)
     print(text)
     if args.out:
-        path = os.path.join(args.out, f"profile-{name.replace(' ', '-')}-{datetime.date.today()}.md")
-        with open(path, "w") as f:
-            f.write(text)
+        path = report.write(report.result_path("profile", args.out), text)
         print("wrote", path)
 
 
