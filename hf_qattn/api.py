@@ -50,6 +50,37 @@ def _check_sm_scale(sm_scale) -> float | None:
     return float(sm_scale)
 
 
+def _check_span(name: str, value, is_causal: bool) -> int | None:
+    """window / chunk: None, or an int ≥ 1 on a causal call."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (keys a query sees) or None; got {value!r}")
+    if not is_causal:
+        raise ValueError(f"{name}={value} needs is_causal=True (a query's keys end at its own position)")
+    return int(value)
+
+
+def _check_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
+            or softcap <= 0):
+        raise ValueError(f"softcap must be a finite real number > 0 or None; got {softcap!r}")
+    return float(softcap)
+
+
+def _check_sinks(sinks, heads: int, device: torch.device) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (heads,):
+        got = f"{sinks.dtype} tensor of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else \
+            type(sinks).__name__
+        raise ValueError(f"sinks must be a float tensor of shape (query heads,) = ({heads},); got {got}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on the same device as q ({device}); got {sinks.device}")
+
+
 def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     _choice("qk", qk, QK_CHOICES)
     _choice("pv", pv, PV_CHOICES)
@@ -78,15 +109,16 @@ def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     return hnd
 
 
-def _empty_result(qh, kh, vh, *, is_causal, sm_scale, kv_start, kv_end, return_lse):
+def _empty_result(qh, kh, vh, *, is_causal, sm_scale, kv_start, kv_end, return_lse, **variants):
     """The result of a call with a zero-size dimension, in HND and float32, computed by plain attention
-    (no launch): empty, or zeros with lse -inf for rows that see no key (Nk = 0); with head_dim 0 the
-    scores are all 0, so lse is log(visible keys)."""
+    (no launch): empty, or zeros with lse -inf for rows that see no key (Nk = 0; a sink's logit with sinks);
+    with head_dim 0 the scores are all 0, so lse is log(visible keys)."""
     b, hq, nq, d = qh.shape
     if kh.shape[1] == 0:  # no heads at all (Hq = Hk = 0)
         return qh.new_zeros(b, 0, nq, d, dtype=torch.float32), qh.new_zeros(b, 0, nq, dtype=torch.float32)
     return reference.exact_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale if d else 1.0,
-                                     kv_start=kv_start, kv_end=kv_end, return_lse=True, dtype=torch.float32)
+                                     kv_start=kv_start, kv_end=kv_end, return_lse=True, dtype=torch.float32,
+                                     **variants)
 
 
 def qattn(
@@ -107,6 +139,10 @@ def qattn(
     kv_end: torch.Tensor | None = None,
     backend: Literal["auto", "hopper", "triton", "reference"] = "auto",
     split_channel: bool | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Quantized attention: Q·Kᵀ in INT8 or INT4 range, P·V in FP8 (E4M3), with Q/K/V smoothing.
 
@@ -128,8 +164,20 @@ def qattn(
             ``HF_QATTN_SPLIT_CHANNEL=1`` environment variable; on the H100 it makes a call 6–21 %
             slower (eval/results/split-channel-*.md), so it is for inputs known to need it.
 
-    Returns the output in q's layout, shape and dtype; with ``return_lse``, ``(out, lse)``.
-    Rows that see no key give zeros (lse −inf). NaN or ±Inf in q, k or v comes out NaN in the rows
+    Attention variants (query row i sits at key position p = i + Nk − Nq, as for ``is_causal``):
+        window: an int W ≥ 1: the query at p sees keys j with p − W < j ≤ p (transformers'
+            ``sliding_window``). Needs ``is_causal=True``.
+        chunk: an int C ≥ 1: the query at p sees keys j with j // C == p // C and j ≤ p (Llama 4's
+            chunked attention; j counts from key 0 of the call). Needs ``is_causal=True``. With
+            ``window`` both rules apply. Key tiles no query of a tile sees are skipped, not masked.
+        sinks: a float tensor (Hq,) on q's device: one logit per query head, in the units of the scaled
+            scores, that joins each row's softmax denominator without a value (gpt-oss).
+        softcap: a float c > 0: scores s = sm_scale·q·k become c·tanh(s / c) before the softmax (Gemma 2).
+        All combine with each other, key ranges, GQA, both layouts and every precision.
+
+    Returns the output in q's layout, shape and dtype; with ``return_lse``, ``(out, lse)``: lse is
+    the log of the denominator actually used (capped scores, the sink's term included).
+    Rows that see no key give zeros (lse −inf; with sinks, the sink's logit). NaN or ±Inf in q, k or v comes out NaN in the rows
     it reaches (with smoothing on, through the centers, that can be the whole head), never zeros.
     A call with a zero-size dimension returns its (empty or zero) result without a launch, uncounted.
     Inference only: with gradients required, ``"auto"`` falls back to SDPA (counted), a forced
@@ -143,9 +191,12 @@ def qattn(
         raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
     b, hq, nq, d = qh.shape
     nk = kh.shape[2]
+    variants = dict(window=_check_span("window", window, is_causal), chunk=_check_span("chunk", chunk, is_causal),
+                    sinks=sinks, softcap=_check_softcap(softcap))
+    _check_sinks(sinks, hq, q.device)
     if qh.numel() == 0 or kh.numel() == 0:  # a zero-size dimension: nothing to launch
         out, lse = _empty_result(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, kv_start=kv_start,
-                                 kv_end=kv_end, return_lse=return_lse)
+                                 kv_end=kv_end, return_lse=return_lse, **variants)
         out = out.to(q.dtype)
         out = out if layout == "HND" else out.transpose(1, 2).contiguous()
         return (out, lse) if return_lse else out
@@ -156,17 +207,19 @@ def qattn(
         kv_end = None if kv_end is None else kv_end.clamp(0, nk)
 
     path, qk, pv = (_decide_once if torch.compiler.is_compiling() else _decide)(
-        q.device.type, q.device.index, d, backend, qk, pv, support.REASON_GRAD if support.needs_grad(q, k, v) else None)
+        q.device.type, q.device.index, d, backend, qk, pv,
+        support.REASON_GRAD if support.needs_grad(q, k, v, sinks) else None, support.variants_of(**variants))
 
     if path == support.SDPA:
         result = reference.sdpa_attention(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale,
-                                          kv_start=kv_start, kv_end=kv_end, return_lse=return_lse)
+                                          kv_start=kv_start, kv_end=kv_end, return_lse=return_lse, **variants)
         out, lse = result if return_lse else (result, None)
         out = out if layout == "HND" else out.transpose(1, 2).contiguous()  # q's layout, as the kernels write it
         return (out, lse) if return_lse else out
     out, lse = ops.run(q, k, v, kv_start, kv_end, path=path, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv=pv,
                        layout=layout, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
-                       split_channel=split_channel)
+                       split_channel=split_channel, window=variants["window"] or 0, chunk=variants["chunk"] or 0,
+                       sinks=sinks, softcap=variants["softcap"] or 0.0)
     return (out, lse) if return_lse else out
 
 
@@ -178,14 +231,15 @@ class _Probe:
         self.shape = (0, 0, 0, head_dim)
 
 
-def _decide(device_type: str, device_index, head_dim: int, backend: str, qk: str, pv: str, gap):
+def _decide(device_type: str, device_index, head_dim: int, backend: str, qk: str, pv: str, gap, variants=()):
     """(path, qk, pv) a call runs, counted (and a fallback warned once): the policy part of ``qattn``.
-    Its arguments are plain values, so under ``torch.compile`` it runs once per traced call site."""
+    Its arguments are plain values, so under ``torch.compile`` it runs once per traced call site.
+    ``variants``: the names of the attention variants the call uses (:func:`hf_qattn.support.variants_of`)."""
     probe = _Probe(torch.device(device_type, device_index) if device_index is not None else torch.device(device_type),
                    head_dim)
     if backend == "auto":
         qk = support.effective_qk(probe, qk)  # int4 runs INT8 on Hopper (no INT4 tensor cores there)
-    path, reason = support.select_path(probe, backend, qk, pv, gap=gap)
+    path, reason = support.select_path(probe, backend, qk, pv, gap=gap, variants=variants)
     stats.record(path, reason)  # under torch.compile this runs while tracing (_decide_once): once per call site
     if path == support.TRITON and pv == "fp8" and not support.has_fp8_mma(probe.device):
         pv = "fp16"  # no FP8 tensor cores (Ampere): P·V runs in FP16, as documented for ``pv``
@@ -193,8 +247,8 @@ def _decide(device_type: str, device_index, head_dim: int, backend: str, qk: str
 
 
 @torch._dynamo.assume_constant_result
-def _decide_once(device_type: str, device_index, head_dim: int, backend: str, qk: str, pv: str, gap):
+def _decide_once(device_type: str, device_index, head_dim: int, backend: str, qk: str, pv: str, gap, variants=()):
     """:func:`_decide` under ``torch.compile``: run in Python while tracing, its answer a constant of the
     graph (decided once per call site, counted once per compilation; a forced backend that cannot serve
     the call raises while compiling)."""
-    return _decide(device_type, device_index, head_dim, backend, qk, pv, gap)
+    return _decide(device_type, device_index, head_dim, backend, qk, pv, gap, variants)

@@ -13,7 +13,11 @@ nothing and reads no tensor value on the host (key ranges stay tensors), so CUDA
 Signature (``path`` is ``"hopper"``, ``"triton"`` or ``"reference"``; ``layout`` ``"HND"`` / ``"NHD"``)::
 
     attention(q, k, v, kv_start, kv_end, path, is_causal, sm_scale, qk, pv, layout,
-              smooth_q, smooth_k, smooth_v, return_lse, split_channel) -> (out, lse)
+              smooth_q, smooth_k, smooth_v, return_lse, split_channel,
+              window=0, chunk=0, sinks=None, softcap=0.0) -> (out, lse)
+
+The variants of :func:`hf_qattn.qattn` in the op's types: ``window`` / ``chunk`` ints with 0 for none,
+``sinks`` an optional (Hq,) float tensor, ``softcap`` a float with 0.0 for none.
 
 ``out`` has q's shape and dtype (contiguous, in q's layout); ``lse`` is (B, Hq, Nq) float32 with
 ``return_lse``, else an empty float32 tensor of shape (0,).
@@ -33,8 +37,10 @@ KERNEL_PATHS = (support.HOPPER, support.TRITON, support.REFERENCE)
 
 
 def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: float, qk: str, pv: str, layout: str,
-           smooth_q: bool, smooth_k: bool, smooth_v: bool, return_lse: bool, split_channel: bool = False):
-    """Run one decided call on ``path``: (out in q's layout, contiguous; lse or None). No checks, no counting."""
+           smooth_q: bool, smooth_k: bool, smooth_v: bool, return_lse: bool, split_channel: bool = False,
+           window: int = 0, chunk: int = 0, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0):
+    """Run one decided call on ``path``: (out in q's layout, contiguous; lse or None). No checks, no counting.
+    window / chunk / softcap: 0 for none (the op's types)."""
     qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
     if path in (support.HOPPER, support.TRITON):
         from hf_qattn.kernels import launch as kernels
@@ -43,7 +49,7 @@ def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: f
         out_h = out if layout == "HND" else out.transpose(1, 2)
         options = dict(is_causal=is_causal, sm_scale=sm_scale, qk=qk, smooth_q=smooth_q, smooth_k=smooth_k,
                        smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, return_lse=return_lse,
-                       split_channel=split_channel)
+                       split_channel=split_channel, window=window, chunk=chunk, sinks=sinks, softcap=softcap)
         # Launch on the inputs' GPU, not the current one: Triton takes the device and stream from the
         # current device, so a tensor on cuda:1 under cuda:0 (device_map="auto") would run on the wrong
         # stream, racing the producer of q/k/v (measured: all-NaN logits on 2 GPUs).
@@ -65,7 +71,8 @@ def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: f
     result = reference.quantized_attention(
         qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv="fp8_e4m3" if pv == "fp8" else "fp16",
         smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end,
-        return_lse=return_lse, split_channel=split_channel, **settings)
+        return_lse=return_lse, split_channel=split_channel, window=window or None, chunk=chunk or None, sinks=sinks,
+        softcap=softcap or None, **settings)
     out, lse = result if return_lse else (result, None)
     out = out.to(q.dtype)
     out = (out if layout == "HND" else out.transpose(1, 2)).contiguous()  # q's layout, as the kernels write it
@@ -76,10 +83,11 @@ def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: f
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start: Optional[torch.Tensor],
               kv_end: Optional[torch.Tensor], path: str, is_causal: bool, sm_scale: float, qk: str, pv: str,
               layout: str, smooth_q: bool, smooth_k: bool, smooth_v: bool,
-              return_lse: bool, split_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              return_lse: bool, split_channel: bool = False, window: int = 0, chunk: int = 0,
+              sinks: Optional[torch.Tensor] = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = launch(q, k, v, kv_start, kv_end, path=path, is_causal=is_causal, sm_scale=sm_scale, qk=qk, pv=pv,
                       layout=layout, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
-                      split_channel=split_channel)
+                      split_channel=split_channel, window=window, chunk=chunk, sinks=sinks, softcap=softcap)
     if lse is None:
         lse = q.new_empty(0, dtype=torch.float32)
     return out, lse
@@ -87,7 +95,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_start: Optio
 
 @attention.register_fake
 def _(q, k, v, kv_start, kv_end, path, is_causal, sm_scale, qk, pv, layout, smooth_q, smooth_k, smooth_v,
-      return_lse, split_channel=False):
+      return_lse, split_channel=False, window=0, chunk=0, sinks=None, softcap=0.0):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not return_lse:
         return out, q.new_empty(0, dtype=torch.float32)

@@ -15,6 +15,17 @@ with the same online softmax in base 2, so a kernel can be compared with it tile
                l ← l·2^(m_old − m) + ΣP̃·448,   O ← O·2^(m_old − m) + (P̂V̂)·δV
     epilogue   O ← O / l + v̄  (the 448 cancels),  lse = (m + log2(l / 448))·ln 2 + sm_scale·q·k̄
 
+The variants (``window``, ``chunk``, ``sinks``, ``softcap``; see :func:`hf_qattn.qattn`) as the kernels
+compute them. The kernel's scores are the true ones less a per-row term, t = sm_scale·q·k̄·log2 e (K's
+smoothing: S_kernel = S_true·log2 e − t, exactly up to rounding):
+
+    window / chunk   more keys masked (:func:`visible_keys`); ΔS is per key, so smoothing stays exact
+    softcap c        S ← c'·tanh((S + t) / c') with c' = c·log2 e: the true score, capped, in base 2;
+                     from then on the row term is 0 (t is folded in), masking to −inf after the cap
+    sinks σ_h        one more logit without a value after the last tile, in the kernel's units
+                     σ' = σ_h·log2 e − t:  m' = max(m, σ'),  α = 2^(m − m'),  l' = α·l + 2^(σ' − m' + log2 448),
+                     O ← α·O / l' + v̄·(α·l / l')  (the weights of the keys sum to α·l / l', not 1)
+
 ``exact_attention`` is plain softmax attention in float64 — the yardstick for every error metric;
 ``sdpa_attention`` is torch's SDPA under the same masking rule — the full-precision fallback.
 """
@@ -27,12 +38,39 @@ import torch
 
 from . import quant
 from .kernels.formats import LOG2E
-from .masks import visible_keys
+from .masks import visible_keys as _visible_keys
 
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def visible_keys(batch: int, nq: int, nk: int, *, is_causal: bool, kv_start: torch.Tensor | None = None,
+                 kv_end: torch.Tensor | None = None, window: int | None = None, chunk: int | None = None,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`hf_qattn.masks.visible_keys` (causal, key ranges) and the variants' key rules, (B, 1, Nq, Nk) bool.
+
+    Query row i sits at key position p = i + Nk − Nq. ``window`` W: it sees keys j with p − W < j;
+    ``chunk`` C: keys with j // C == p // C (with the causal j ≤ p: p // C·C ≤ j). Both need ``is_causal``
+    (:func:`hf_qattn.qattn` checks it); both together: both rules.
+    """
+    mask = _visible_keys(batch, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=device)
+    if window is None and chunk is None:
+        return mask
+    p = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=device)[None, :]
+    rule = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if window is not None:
+        rule &= j > p - window
+    if chunk is not None:
+        rule &= torch.div(j, chunk, rounding_mode="floor") == torch.div(p, chunk, rounding_mode="floor")
+    return mask & rule
+
+
+def _sink_logits(sinks: torch.Tensor, b: int, nq: int) -> torch.Tensor:
+    """(Hq,) sinks as a (B, Hq, Nq) float32 tensor."""
+    return sinks.float().view(1, -1, 1).expand(b, -1, nq)
 
 
 def quantized_attention(
@@ -59,6 +97,10 @@ def quantized_attention(
     return_lse: bool = False,
     centers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split_channel: bool = False,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Quantized attention, simulated exactly (see the module docstring). HND layout.
 
@@ -69,8 +111,9 @@ def quantized_attention(
     to use instead (a kernel's own, whose sums ran in another order: a last-bit difference in a center
     can flip a rounding tie, which is not what a kernel-vs-reference comparison is after). split_channel: take
     the channel :func:`hf_qattn.quant.split_channel` finds out of K̂ and add its rank-one term in float,
-    as the kernels do with ``qattn(split_channel=True)``. Returns O, or (O, lse) with lse
-    (B, Hq, Nq) float32 in natural-log units of the scaled scores.
+    as the kernels do with ``qattn(split_channel=True)``. window, chunk, sinks (Hq,), softcap: the variants
+    of :func:`hf_qattn.qattn`, computed as the module docstring says. Returns O, or (O, lse) with lse
+    (B, Hq, Nq) float32 in natural-log units of the scaled scores (sinks included, scores capped).
     """
     if qk not in quant.QK_FORMATS:
         raise ValueError(f"qk must be one of {quant.QK_FORMATS}, got {qk!r}")
@@ -111,9 +154,13 @@ def quantized_attention(
     v_hat, dv_scale = quant.quantize_v(vs, pv, v_granularity, block_n)
     k_hat, dk, v_hat, dv_scale, k_split = (_repeat_kv(x, groups) for x in (k_hat, dk, v_hat, dv_scale, k_split))
 
-    visible = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=q.device)
+    visible = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, window=window,
+                           chunk=chunk, device=q.device)
     c = scale * LOG2E
     q_coef = dq * c  # the kernel folds sm_scale·log2 e into δQ once per query tile
+    # the per-row term K's smoothing leaves out of the kernel's scores, in base 2 (true = kernel + t)
+    k_bar_q = _repeat_kv(k_bar[:, :, None], groups)[:, :, 0]
+    row_term = torch.einsum("bhnd,bhd->bhn", qf, k_bar_q) * c
     p_log2 = math.log2(quant.P_SCALE[pv])
     m = torch.full((b, hq, nq), -math.inf, device=q.device)
     l = torch.zeros(b, hq, nq, device=q.device)
@@ -123,6 +170,8 @@ def quantized_attention(
         qk_int = torch.matmul(q_hat.double(), k_hat[:, :, j0:j1].double().transpose(-1, -2)).float()
         s = qk_int * (q_coef[..., None] * dk[:, :, None, j0:j1]) + (
             delta_s[:, :, None, j0:j1] * c + (q_split * c)[..., None] * k_split[:, :, None, j0:j1])
+        if softcap is not None:
+            s = soft_cap(s + row_term[..., None], softcap)
         s = s.masked_fill(~visible[..., j0:j1], -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new)  # rows that saw no key yet
@@ -133,17 +182,35 @@ def quantized_attention(
         acc = acc * alpha[..., None] + tile_out * dv_scale[:, :, tile][:, :, None, :]
         m = m_new
 
-    # l is 0 exactly for rows that saw no key; NaN (from NaN/±Inf inputs) must stay NaN, not become zeros
-    seen = l != 0
+    # with a soft cap the scores are the true ones: no row term left to add back
+    shift = torch.zeros_like(row_term) if softcap is not None else row_term
     v_bar = _repeat_kv(v_bar[:, :, None], groups)
-    out = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None] + v_bar, 0.0)
+    if sinks is None:
+        v_weight = l  # the weights of the keys sum to l / l = 1
+    else:  # one more logit, without a value: weights of the keys sum to α·l / l′, which v̄ gets
+        sink = _sink_logits(sinks, b, nq) * LOG2E - shift
+        m_new = torch.maximum(m, sink)
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+        alpha = torch.exp2(m - m_safe)
+        acc = acc * alpha[..., None]
+        v_weight = l * alpha
+        l = v_weight + torch.exp2(sink - m_safe + p_log2)
+        m = m_new
+    # l is 0 exactly for rows that saw no key (nor sink); NaN (from NaN/±Inf inputs) must stay NaN, not zeros
+    seen = l != 0
+    l_safe = torch.where(seen, l, 1.0)
+    out = torch.where(seen[..., None], acc / l_safe[..., None] + v_bar * (v_weight / l_safe)[..., None], 0.0)
     out = out.to(q.dtype)
     if not return_lse:
         return out
-    k_bar_q = _repeat_kv(k_bar[:, :, None], groups)[:, :, 0]
-    shift = torch.einsum("bhnd,bhd->bhn", qf, k_bar_q) * scale
-    lse = torch.where(seen, (m + torch.log2(torch.where(seen, l, 1.0)) - p_log2) / LOG2E + shift, -math.inf)
+    lse = torch.where(seen, (m + torch.log2(l_safe) - p_log2 + shift) / LOG2E, -math.inf)
     return out, lse
+
+
+def soft_cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """c·tanh(s / c) for base-2 scores s (c the cap of the natural-log scores), as the kernels compute it:
+    tanh(x) = 1 − 2 / (e^{2x} + 1), with e^{2x} = 2^{2·s / c} for x = s / (c·log2 e). ±∞ maps to ±c·log2 e."""
+    return (softcap * LOG2E) * (1.0 - 2.0 / (torch.exp2(s * (2.0 / softcap)) + 1.0))
 
 
 def exact_attention(
@@ -157,22 +224,35 @@ def exact_attention(
     kv_end: torch.Tensor | None = None,
     return_lse: bool = False,
     dtype: torch.dtype = torch.float64,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Softmax attention computed in ``dtype`` (float64 by default), HND; output stays in ``dtype``.
 
+    The variants as :func:`hf_qattn.qattn` defines them: ``window`` / ``chunk`` mask keys
+    (:func:`visible_keys`), ``softcap`` c makes the scaled scores c·tanh(s / c) before the mask,
+    ``sinks`` (Hq,) adds one logit per head to the softmax denominator (no value); lse includes it.
     Runs one query head at a time so the score matrix of a long sequence stays small.
     """
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     groups = hq // hk
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    visible = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=q.device)
+    visible = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, window=window,
+                           chunk=chunk, device=q.device)
     outs, lses = [], []
     for h in range(hq):
         qh = q[:, h].to(dtype)
         kh, vh = k[:, h // groups].to(dtype), v[:, h // groups].to(dtype)
         s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~visible[:, 0], -math.inf)
+        if sinks is not None:  # one more logit per row, without a value: it joins the denominator only
+            s = torch.cat([s, sinks[h].to(dtype).expand(b, nq, 1)], dim=-1)
+            vh = torch.cat([vh, vh.new_zeros(b, 1, vh.shape[-1])], dim=1)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse)[..., None])
         outs.append(torch.matmul(p, vh))
@@ -193,21 +273,29 @@ def sdpa_attention(
     kv_start: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
     """Full-precision attention through ``torch.nn.functional.scaled_dot_product_attention`` (HND).
 
     Same masking rule as the kernels (rows that see no key give zeros, where SDPA alone gives
-    NaN). SDPA returns no log-sum-exp, so ``return_lse`` computes in float32 here instead.
+    NaN); ``window`` / ``chunk`` join it as a boolean mask. SDPA has no sinks, soft cap or
+    log-sum-exp: with any of them this computes :func:`exact_attention` in float32 instead.
     """
-    if return_lse:
+    if return_lse or sinks is not None or softcap is not None:
         out, lse = exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, kv_start=kv_start,
-                                   kv_end=kv_end, return_lse=True, dtype=torch.float32)
-        return out.to(q.dtype), lse
+                                   kv_end=kv_end, return_lse=True, dtype=torch.float32, window=window, chunk=chunk,
+                                   sinks=sinks, softcap=softcap)
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
     b, hq, nq, _ = q.shape
     hk, nk = k.shape[1], k.shape[2]
     mask = None
-    if kv_start is not None or kv_end is not None or (is_causal and nq != nk):
-        mask = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=q.device)
+    if (kv_start is not None or kv_end is not None or (is_causal and nq != nk) or window is not None
+            or chunk is not None):
+        mask = visible_keys(b, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, window=window,
+                            chunk=chunk, device=q.device)
     k, v = _repeat_kv(k, hq // hk), _repeat_kv(v, hq // hk)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=sm_scale)

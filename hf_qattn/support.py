@@ -59,9 +59,10 @@ REASON_DEVICE = "query/key/value on different devices"
 REASON_NO_GLUON = "the sm90 Gluon kernel cannot be built with the installed triton"
 
 
-def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether autograd would flow through this attention call (the quantized kernels are inference-only)."""
-    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor | None) -> bool:
+    """Whether autograd would flow through this attention call (the quantized kernels are inference-only);
+    ``more``: other tensors the call reads (the sinks), None where absent."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, *more))
 
 
 def argument_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[str, str] | None:
@@ -184,6 +185,23 @@ def _triton_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
     return None
 
 
+# -- the attention variants (issue 27) ----------------------------------------------------------------
+# qattn's window=, chunk=, sinks=, softcap=, by the names a call lists them under (:func:`variants_of`).
+VARIANTS = ("window", "chunk", "sinks", "softcap")
+# The variants the sm90 Gluon kernel serves. Until it serves one, a call using it on an sm90 GPU runs on the
+# portable Triton kernel instead, counted under REASON_HOPPER_VARIANT and warned once (not the SDPA
+# fallback: the call stays quantized). Lifting the rule is widening this set.
+HOPPER_SERVES_VARIANTS: frozenset[str] = frozenset()
+REASON_HOPPER_VARIANT = "the sm90 Gluon kernel does not serve this attention variant yet"
+
+
+def variants_of(window=None, chunk=None, sinks=None, softcap=None) -> tuple[str, ...]:
+    """The names of the variants a call uses (a constant of a traced call: plain strings)."""
+    used = dict(window=window is not None, chunk=chunk is not None, sinks=sinks is not None,
+                softcap=softcap is not None)
+    return tuple(name for name in VARIANTS if used[name])
+
+
 @dataclass(frozen=True)
 class KernelPath:
     """A quantized path: where ``backend="auto"`` tries it, and why it cannot serve a call (None: it can)."""
@@ -193,11 +211,19 @@ class KernelPath:
     # why the path, made for q's GPU, cannot be built with what is installed: a later path serving the
     # call instead is then a degradation, counted and warned (None: the path is buildable, or not for q)
     unbuildable: Callable[[torch.Tensor], str | None] = lambda q: None
+    # the variants it serves; a later path serving a call that uses another is a degradation too
+    serves: frozenset[str] = frozenset(VARIANTS)
+    variant_reason: str = ""
+
+    def variant_gap(self, variants: tuple[str, ...]) -> str | None:
+        missing = [name for name in variants if name not in self.serves]
+        return f"{self.variant_reason}: {', '.join(missing)}" if missing else None
 
 
 # In order of preference for backend="auto". A new path is one entry here.
 KERNEL_PATHS: dict[str, KernelPath] = {
-    HOPPER: KernelPath(auto_on=("cuda",), gap=_hopper_gap, unbuildable=_hopper_unbuildable),
+    HOPPER: KernelPath(auto_on=("cuda",), gap=_hopper_gap, unbuildable=_hopper_unbuildable,
+                       serves=HOPPER_SERVES_VARIANTS, variant_reason=REASON_HOPPER_VARIANT),
     TRITON: KernelPath(auto_on=("cuda",), gap=_triton_gap),
     REFERENCE: KernelPath(auto_on=("cpu",), gap=lambda q, qk, pv: None),
 }
@@ -205,7 +231,7 @@ BACKENDS = ("auto", *KERNEL_PATHS)
 
 
 def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: str = "fp8",
-                gap: str | None = None) -> tuple[str, str | None]:
+                gap: str | None = None, variants: tuple[str, ...] = ()) -> tuple[str, str | None]:
     """(path, None) for the quantized path that serves a call on ``q``, or (``"sdpa"``, reason).
 
     ``backend="auto"`` takes the first path of :data:`KERNEL_PATHS` made for q's device type that can
@@ -215,14 +241,17 @@ def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: st
     quantized path serves the call on any device (:func:`call_gap`, e.g. :data:`REASON_GRAD`): SDPA
     with that reason under ``"auto"``, ``RuntimeError`` for a forced backend — the same on every path.
     An sm90 GPU whose triton cannot build the Hopper kernel gets the portable Triton kernel, with the
-    reason counted under ``fallbacks`` and warned once (:data:`REASON_NO_GLUON`).
+    reason counted under ``fallbacks`` and warned once (:data:`REASON_NO_GLUON`). ``variants``
+    (:func:`variants_of`) are the attention variants the call uses: a path that serves the call but not
+    one of them is passed over the same way, counted and warned (:data:`REASON_HOPPER_VARIANT`).
     """
     if gap is not None:
         if backend != "auto":
             raise RuntimeError(f"backend={backend!r} cannot serve this call: {gap}")
         return SDPA, gap
     if backend != "auto":
-        gap = KERNEL_PATHS[backend].gap(q, qk, pv)
+        path = KERNEL_PATHS[backend]
+        gap = path.gap(q, qk, pv) or path.variant_gap(variants)
         if gap is not None:
             raise RuntimeError(f"backend={backend!r} cannot serve this call: {gap}")
         return backend, None
@@ -231,6 +260,9 @@ def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: st
     for name, path in KERNEL_PATHS.items():
         if q.device.type in path.auto_on:
             reason = path.gap(q, qk, pv)
+            if reason is None:
+                reason = path.variant_gap(variants)
+                degraded = degraded or reason  # the path fits the call but for a variant: a degradation
             if reason is None:
                 if degraded is not None:  # counted and warned here; the caller counts the call as usual
                     stats.record_degraded(degraded, name)

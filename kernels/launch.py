@@ -155,9 +155,15 @@ def triton_attention(
     return_lse: bool,
     config: dict | None = None,
     split_channel: bool = False,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """The portable Triton kernel. q (B, Hq, Nq, D), k/v (B, Hk, Nk, D), out like q — all HND views.
-    Writes ``out``; returns lse or None."""
+    window / chunk / softcap: 0 for none; sinks (Hq,) or None. Writes ``out``; returns lse or None."""
+    if window or chunk or sinks is not None or softcap:
+        raise NotImplementedError("the portable Triton kernel's variants land in the next commit")
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
@@ -206,6 +212,10 @@ def hopper_attention(
     persistent: bool | None = None,
     split_channel: bool = False,
     pv_tiles: int | None = None,
+    window: int = 0,
+    chunk: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``."""
     config = tuning.hopper_config(q.shape[-1])
