@@ -43,7 +43,7 @@ class PackedKV(torch.Tensor):
 
     @staticmethod
     def __new__(cls, layer, which: str):
-        shape = (layer.batch_size, layer.num_heads, layer.get_seq_length(), layer.head_dim)
+        shape = (layer.batch_size, layer.num_heads, layer.packed_length(), layer.head_dim)
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=layer.dtype, device=layer.device,
                                                 requires_grad=False)
         t.layer = layer
@@ -93,17 +93,92 @@ def is_packed(t) -> bool:
     return isinstance(t, PackedKV)
 
 
-def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None) -> torch.Tensor:
+# Calls the decode kernel does not serve, read by its PyTorch reference over the same quantized storage
+# instead (exact math, slower; counted and warned once like a fallback)
+REASON_RING_PADDING = ("a padded batch over a sliding-window cache ring that has wrapped (its slots are not in "
+                       "position order)")
+REASON_NARROWER_WINDOW = "a window narrower than the cache layer's (the ring holds more than the query sees)"
+
+
+def check_variants(query: torch.Tensor, window, chunk, sinks, softcap) -> None:
+    """ValueError for a ``window`` / ``chunk`` / ``sinks`` / ``softcap`` that is not what the contract accepts."""
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or an int ≥ 1; got {value!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point()
+                              or tuple(sinks.shape) != (query.shape[1],)):
+        raise ValueError(f"sinks must be None or a float tensor of shape (query heads,) = ({query.shape[1]},); got "
+                         f"{getattr(sinks, 'shape', type(sinks).__name__)}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0 or softcap == float("inf")):
+        raise ValueError(f"softcap must be None or a finite float > 0; got {softcap!r}")
+
+
+def _window_layer_rule(layer, window, chunk):
+    """The window / chunk a one-token read of a sliding or chunked layer still has to apply (the layer's own
+    rule is its storage), and a reason when only the reference can apply it."""
+    own_window, own_chunk = ((layer.span, None) if layer.kind == "sliding_attention" else (None, layer.span))
+    if chunk is not None and chunk != own_chunk:
+        raise QAttnCacheError(f"this {layer.kind} cache layer (span {layer.span}) holds no chunk of {chunk} tokens")
+    if window is None or window == own_window or (own_window is None and window >= layer.span):
+        return None, None  # the held tokens are exactly what the query sees
+    if own_window is not None and window > own_window:
+        raise QAttnCacheError(f"this sliding-window cache layer holds {layer.span} tokens; the attention asks for a "
+                              f"window of {window}")
+    return window, REASON_NARROWER_WINDOW
+
+
+def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,
+                     window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention of query (B, Hq, Nq, D) over the quantized layer behind ``key``: (B, Nq, Hq, D).
 
-    ``pattern`` is the integration's reading of the mask (``causal``, ``kv_len``, ``kv_start``, ``kv_end``).
+    ``pattern`` is the integration's reading of the mask (``causal``, ``kv_len``, ``kv_start``, ``kv_end``),
+    in its coordinates: key j of ``kv_len`` is the j-th of the positions the mask covers, the last one the
+    newest token. ``window``, ``chunk``, ``sinks``, ``softcap`` as in :func:`hf_qattn.qattn` (the query at
+    position p sees keys p − W < j ≤ p, or j of p's chunk; one logit per query head in the denominator;
+    scores c·tanh(s / c)). A sliding-window or chunked layer (:class:`~hf_qattn.kv_cache.cache.QAttnWindowLayer`)
+    holds just what a one-token query sees, so there its own rule needs no mask.
     """
-    store = key.layer.storage()
+    check_variants(query, window, chunk, sinks, softcap)
+    layer = key.layer
+    store = layer.storage()
     heads = store.kq.shape[1]
     if query.shape[1] % heads:
         raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {heads} cached heads")
-    nk = min(int(pattern.kv_len), store.length)
-    if _kernels_available(query.device):
+    kv_start, kv_end = pattern.kv_start, pattern.kv_end
+    slots = positions = None  # the reference's gather of the storage, and the positions of what it gathers
+    reason = None
+    if hasattr(layer, "held_positions"):  # a sliding / chunked layer: one query (several get tensors)
+        if query.shape[2] != 1:
+            raise QAttnCacheError(f"a {layer.kind} cache layer is read by one-token steps only; got "
+                                  f"{query.shape[2]} queries")
+        window, reason = _window_layer_rule(layer, window, chunk)
+        chunk = None
+        nk = store.length
+        first, seen = layer.held_positions()
+        if kv_start is not None or kv_end is not None:  # mask coordinates → positions → slots
+            offset = seen - int(pattern.kv_len)
+            lo = first if kv_start is None else kv_start.to(torch.int64) + offset
+            hi = seen if kv_end is None else kv_end.to(torch.int64) + offset
+            if first % layer.span == 0:  # slots in position order from ``first``
+                kv_start = torch.as_tensor(lo - first).clamp(0, nk).expand(query.shape[0])
+                kv_end = torch.as_tensor(hi - first).clamp(0, nk).expand(query.shape[0])
+            elif bool((torch.as_tensor(lo) <= first).all()) and bool((torch.as_tensor(hi) >= seen).all()):
+                kv_start = kv_end = None  # the padding has left the window
+            else:
+                reason = reason or REASON_RING_PADDING
+                kv_start = torch.as_tensor(lo - first).clamp(0, nk).expand(query.shape[0])
+                kv_end = torch.as_tensor(hi - first).clamp(0, nk).expand(query.shape[0])
+        if reason is not None:
+            slots = layer.chronological_slots()
+            positions = torch.arange(first, seen, device=query.device)
+    else:
+        nk = min(int(pattern.kv_len), store.length)
+    variants = window is not None or chunk is not None or sinks is not None or softcap is not None
+    if reason is None and variants:
+        reason = "attention variants in the decode kernel (window, chunk, sinks, soft-capping): not yet"
+    if reason is None and _kernels_available(query.device):
         from ..kernels import decode_launch
 
         stats.record_call("triton")
@@ -113,12 +188,18 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
             by_device = store.device_length is not None and nk == store.length
             return decode_launch.decode(query, store.kq, store.ks, store.vq, store.vs, store.v_bar,
                                         store.capacity if by_device else nk, int4=store.precision == "int4",
-                                        sm_scale=scaling, causal=pattern.causal, kv_start=pattern.kv_start,
-                                        kv_end=pattern.kv_end, length=store.device_length if by_device else None)
+                                        sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
+                                        kv_end=kv_end, length=store.device_length if by_device else None)
+    if reason is not None:
+        stats.record_degraded(reason, "reference (the cache's math in PyTorch)")
     stats.record_call("reference")
-    return reference.decode_attention(query, store.kq, store.ks, store.vq, store.vs, store.v_bar, nk,
-                                      precision=store.precision, sm_scale=scaling, causal=pattern.causal,
-                                      kv_start=pattern.kv_start, kv_end=pattern.kv_end, dtype=torch.float32)
+    kq, ks, vq, vs = store.kq, store.ks, store.vq, store.vs
+    if slots is not None:
+        kq, ks, vq, vs = kq[:, :, slots], ks[:, :, slots], vq[:, :, slots], vs[:, :, slots]
+    return reference.decode_attention(query, kq, ks, vq, vs, store.v_bar, nk, precision=store.precision,
+                                      sm_scale=scaling, causal=pattern.causal, kv_start=kv_start, kv_end=kv_end,
+                                      window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
+                                      key_positions=positions, dtype=torch.float32)
 
 
 def dequantize(t: PackedKV) -> torch.Tensor:

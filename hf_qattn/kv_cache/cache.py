@@ -148,24 +148,27 @@ class QAttnLayer(CacheLayerMixin):
         if self._k_bar is None:  # the first fill fixes the centers
             self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
         self._reserve(self._length + n)
-        pos = self._length
-        if _kernels_available(self.device):
-            from ..kernels import decode_launch
-
-            # static storage: the kernel reads the first slot from device memory (the same in every replay)
-            decode_launch.append(key_states, value_states, self._k_bar, self._v_bar, self._kq, self._ks, self._vq,
-                                 self._vs, pos if self._device_length is None else self._device_length,
-                                 int4=self.precision == "int4")
-        else:
-            kq, ks, vq, vs = reference.quantize_tokens(key_states, value_states, self._k_bar, self._v_bar,
-                                                       self.precision)
-            self._kq[:, :, pos: pos + n] = kq
-            self._ks[:, :, pos: pos + n] = ks
-            self._vq[:, :, pos: pos + n] = vq
-            self._vs[:, :, pos: pos + n] = vs
+        # static storage: the kernel reads the first slot from device memory (the same in every replay)
+        self._write(key_states, value_states, self._length if self._device_length is None else self._device_length)
         self._length += n
         if self._device_length is not None:
             self._device_length.add_(n)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, slot: int | torch.Tensor) -> None:
+        """Quantize the tokens into the consecutive slots from ``slot`` on (an int, or a (1,) device tensor)."""
+        if _kernels_available(self.device):
+            from ..kernels import decode_launch
+
+            decode_launch.append(key_states, value_states, self._k_bar, self._v_bar, self._kq, self._ks, self._vq,
+                                 self._vs, slot, int4=self.precision == "int4")
+        else:
+            n = key_states.shape[-2]
+            kq, ks, vq, vs = reference.quantize_tokens(key_states, value_states, self._k_bar, self._v_bar,
+                                                       self.precision)
+            self._kq[:, :, slot: slot + n] = kq
+            self._ks[:, :, slot: slot + n] = ks
+            self._vq[:, :, slot: slot + n] = vq
+            self._vs[:, :, slot: slot + n] = vs
 
     def reserve(self, tokens: int) -> None:
         """Static storage for ``tokens`` (as ``static_max_len``), set before the first fill: allocated
@@ -196,6 +199,10 @@ class QAttnLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._length + query_length, 0
+
+    def packed_length(self) -> int:
+        """Tokens the mask of a one-token step covers, the token dim of the :class:`PackedKV` handles."""
+        return self._length
 
     def get_seq_length(self) -> int:
         return self._length
@@ -271,6 +278,147 @@ class QAttnLayer(CacheLayerMixin):
         return (k + self._k_bar[:, :, None]).to(self.dtype), (v + self._v_bar[:, :, None]).to(self.dtype)
 
 
+
+WINDOW_KINDS = ("sliding_attention", "chunked_attention")
+
+
+class QAttnWindowLayer(QAttnLayer):
+    """A sliding-window or chunked layer of :class:`QAttnCache`: quantized as :class:`QAttnLayer`, holding only
+    the tokens a next query can still see, so its storage never exceeds the span (rounded up to whole blocks).
+
+    ``span`` is the window W (``sliding_attention``: the query at p sees keys p − W < j ≤ p) or the chunk size C
+    (``chunked_attention``: keys of p's chunk, j // C == p // C, j ≤ p). The token at position p lives in slot
+    p mod span: a ring of W slots for a window, the current chunk from slot 0 for chunks (a step that starts a
+    new chunk drops the old one). The held positions are [keep_from, seen), all of them visible to the next
+    one-token query, and attention is the same for any order of its keys, so a one-token step reads every held
+    slot, no position mask (:func:`~hf_qattn.kv_cache.attention.packed_attention`).
+
+    Toward transformers it behaves as its ``DynamicSlidingWindowLayer`` (which it replaces for both kinds):
+    ``get_seq_length`` counts every token seen, ``get_mask_sizes`` gives the window's key count and offset, and a
+    step of several tokens over a filled layer gets full-precision K/V of the positions that mask covers — the
+    held tokens dequantized (zeros for positions of an earlier chunk, which the mask hides) and the new ones —
+    since its queries see different windows, which one ring read cannot give them.
+    """
+
+    is_sliding = True
+
+    def __init__(self, kind: str, span: int, precision: str = "int8", center_sample: int | None = CENTER_SAMPLE):
+        if kind not in WINDOW_KINDS:
+            raise ValueError(f"kind must be one of {WINDOW_KINDS}; got {kind!r}")
+        if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+            raise ValueError(f"span (the {'sliding window' if kind == WINDOW_KINDS[0] else 'chunk size'}) must be "
+                             f"an int ≥ 1; got {span!r}")
+        super().__init__(precision, None, center_sample)
+        self.kind, self.span = kind, span
+        self._seen = 0  # every token appended (the position of the next one)
+
+    def __repr__(self):
+        return f"QAttnWindowLayer({self.kind}, span={self.span}, {self.precision}, seen={self._seen})"
+
+    @property
+    def sliding_window(self) -> int:  # transformers' name for the span of its sliding-window layers
+        return self.span
+
+    def _keep_from(self, seen: int) -> int:
+        """The first position a query after ``seen`` tokens can see (what the layer holds from)."""
+        if self.kind == "sliding_attention":
+            return max(seen - self.span, 0)
+        return (seen - 1) // self.span * self.span if seen else 0
+
+    def _reserve(self, needed: int) -> None:
+        super()._reserve(min(needed, self.span))
+
+    def _allocate(self, capacity: int) -> None:
+        super()._allocate(min(capacity, _whole_blocks(self.span)))
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        n = key_states.shape[-2]
+        if self._k_bar is None:
+            self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
+        total = self._seen + n
+        keep_from = self._keep_from(total)
+        self._reserve(total - keep_from)
+        first = max(self._seen, keep_from)  # tokens before it are out of every later window
+        slot = first % self.span
+        run = min(total - first, self.span - slot)  # up to the ring's end, then the rest from slot 0
+        self._write(key_states[:, :, first - self._seen: first - self._seen + run],
+                    value_states[:, :, first - self._seen: first - self._seen + run], slot)
+        if first + run < total:
+            self._write(key_states[:, :, first - self._seen + run:], value_states[:, :, first - self._seen + run:], 0)
+        self._seen, self._length = total, total - keep_from
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if self._seen == 0:  # the prefill: its own K/V, as for a full layer
+            self._append(key_states, value_states)
+            return key_states, value_states
+        if n == 1:
+            self._append(key_states, value_states)
+            return PackedKV(self, "keys"), PackedKV(self, "values")
+        cached = min(self._seen, self.span - 1)  # the held positions the mask of this step covers
+        old_k, old_v = self._dequantized_last(cached)
+        self._append(key_states, value_states)
+        return (torch.cat([old_k, key_states.to(self.dtype)], dim=-2),
+                torch.cat([old_v, value_states.to(self.dtype)], dim=-2))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # as transformers' DynamicSlidingWindowLayer: the last span − 1 positions and the step's own
+        return min(self._seen, self.span - 1) + query_length, max(self._seen - self.span + 1, 0)
+
+    def get_seq_length(self) -> int:
+        return self._seen
+
+    def get_max_length(self) -> int:
+        return self.span
+
+    def packed_length(self) -> int:
+        return min(self._seen, self.span)
+
+    def reserve(self, tokens: int) -> None:
+        raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {self.kind} cache "
+                              "layers: their ring position changes every step")
+
+    def reset(self) -> None:
+        super().reset()
+        self._seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        seen = max(0, self._seen + tokens_to_remove)
+        if self._seen - self._length > self._keep_from(seen):
+            raise QAttnCacheError(f"cannot crop this {self.kind} cache layer back to {seen} tokens: positions its "
+                                  f"next query sees were dropped already (it holds {self._seen - self._length} on)")
+        self._seen, self._length = seen, seen - self._keep_from(seen)
+
+    def held_positions(self) -> tuple[int, int]:
+        """[keep_from, seen): the positions the layer holds; the token at p is in slot p mod span."""
+        return self._seen - self._length, self._seen
+
+    def chronological_slots(self) -> torch.Tensor:
+        """Slot indices of the held tokens, oldest first (for a read that needs positions in order)."""
+        first, seen = self.held_positions()
+        return torch.arange(first, seen, device=self.device) % self.span
+
+    def _dequantized_last(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) (B, Hk, count, D) of the last ``count`` positions in order, zeros for any not held."""
+        first, seen = self.held_positions()
+        positions = torch.arange(seen - count, seen, device=self.device)
+        held = positions >= first
+        slots = torch.where(held, positions % self.span, 0)
+        k = reference.dequantize_k(self._kq[:, :, slots], self._ks[:, :, slots], self.head_dim, self.precision)
+        v = reference.dequantize_v(self._vq[:, :, slots], self._vs[:, :, slots])
+        k = torch.where(held[:, None], k + self._k_bar[:, :, None], 0.0)
+        v = torch.where(held[:, None], v + self._v_bar[:, :, None], 0.0)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of the positions a one-token step's mask covers (:meth:`packed_length`), oldest first."""
+        return self._dequantized_last(self.packed_length())
+
+
 def _layer_nbytes(layer, used: bool) -> int:
     if isinstance(layer, QAttnLayer):
         return layer.nbytes(used)
@@ -333,11 +481,15 @@ class QAttnCache(Cache):
 
     def _make_layer(self, index: int, kind: str = "full_attention", kwargs: dict | None = None):
         precision = self.plan.precision(index) if self.plan is not None else "int8"
-        if kind == "full_attention" and precision in ("int8", "int4"):
+        quantized = precision in ("int8", "int4")
+        if kind == "full_attention" and quantized:
             return QAttnLayer(precision, self._static_max_len, self._center_sample)
         if kind == "full_attention":
             return DynamicLayer()
-        # sliding windows, chunked attention, linear attention...: transformers' own layer
+        span = (kwargs or {}).get("sliding_window")
+        if kind in WINDOW_KINDS and quantized and span is not None:
+            return QAttnWindowLayer(kind, int(span), precision, self._center_sample)
+        # unquantized by the plan, linear attention, ...: transformers' own layer
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**(kwargs or {}))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -349,7 +501,11 @@ class QAttnCache(Cache):
 
     def reserve(self, tokens: int) -> None:
         """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``), before the first fill:
-        what a CUDA-graph decode step needs. Every layer must be quantized."""
+        what a CUDA-graph decode step needs. Every layer must be quantized, none sliding or chunked."""
+        windows = sorted({layer.kind for layer in self.layers if isinstance(layer, QAttnWindowLayer)})
+        if windows:
+            raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {windows} cache "
+                                  "layers: their ring position changes every step")
         others = sorted({type(layer).__name__ for layer in self.layers if not isinstance(layer, QAttnLayer)})
         if others:
             raise QAttnCacheError(f"static storage needs every cache layer quantized; this cache also has {others} "

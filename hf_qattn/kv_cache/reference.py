@@ -69,11 +69,19 @@ def dequantize_v(vq: torch.Tensor, vs: torch.Tensor, dtype=torch.float32) -> tor
 
 
 def decode_attention(q, kq, ks, vq, vs, v_bar, nk: int, *, precision: str, sm_scale: float | None = None,
-                     causal: bool = True, kv_start=None, kv_end=None, dtype=torch.float64) -> torch.Tensor:
-    """Attention of q (B, Hq, Nq, D) over the first ``nk`` cached tokens, computed in ``dtype``.
+                     causal: bool = True, kv_start=None, kv_end=None, window: int | None = None,
+                     chunk: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                     k_bar: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
+                     dtype=torch.float64) -> torch.Tensor:
+    """Attention of q (B, Hq, Nq, D) over the first ``nk`` cached slots, computed in ``dtype``.
 
     Returns (B, Nq, Hq, D) in q's dtype (the layout transformers' attention functions return).
-    Causal is aligned bottom-right; rows that see no key give zeros (as the kernel).
+    Slot j holds the token at position ``key_positions[j]`` (default j: slots in order); query i of Nq
+    sits at position P − Nq + 1 + i, P the newest key's (bottom-right alignment, as is_causal). Causal
+    (several queries), ``window`` (keys p − W < j ≤ p) and ``chunk`` (j // C == p // C) compare
+    positions; ``kv_start`` / ``kv_end`` (B,) select slots. ``sinks`` (Hq,): one more logit per query
+    head in the denominator, no value. ``softcap``: scores c·tanh(s / c) of the true score, which
+    needs ``k_bar`` (B, Hk, D) (the stored K is K − k̄). Rows that see no key give zeros (as the kernel).
     """
     b, hq, nq, d = q.shape
     hk = kq.shape[1]
@@ -81,13 +89,34 @@ def decode_attention(q, kq, ks, vq, vs, v_bar, nk: int, *, precision: str, sm_sc
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     k = dequantize_k(kq[:, :, :nk], ks[:, :, :nk], d, precision, dtype)
     v = dequantize_v(vq[:, :, :nk], vs[:, :, :nk], dtype)
+    if softcap is not None:
+        if k_bar is None:
+            raise ValueError("softcap needs k_bar: the capped score is that of K, not of the stored K − k̄")
+        k = k + k_bar.to(dtype)[:, :, None, :]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
-    seen = visible_keys(b, nq, nk, is_causal=causal and nq > 1, kv_start=kv_start, kv_end=kv_end, device=q.device)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    seen = visible_keys(b, nq, nk, is_causal=False, kv_start=kv_start, kv_end=kv_end, device=q.device)
+    kpos = torch.arange(nk, device=q.device) if key_positions is None else key_positions.to(q.device)
+    last = int(kpos.max()) if nk else nq - 1
+    qpos = torch.arange(last - nq + 1, last + 1, device=q.device)
+    if causal and nq > 1:
+        seen = seen & (kpos[None, :] <= qpos[:, None])
+    if window is not None:
+        seen = seen & (kpos[None, :] > qpos[:, None] - window)
+    if chunk is not None:
+        seen = seen & (kpos[None, :] // chunk == qpos[:, None] // chunk)
     scores = scores.masked_fill(~seen, float("-inf"))
     any_seen = seen.any(-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(~any_seen, 0.0), dim=-1).masked_fill(~seen, 0.0)
+    scores = scores.masked_fill(~any_seen, 0.0)
+    if sinks is not None:
+        sink = sinks.to(dtype).view(1, hq, 1, 1).expand(b, hq, nq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].masked_fill(~seen, 0.0)
+    else:
+        probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
+    # V is stored as V − v̄: the weights' sum (1, or less with a sink) carries v̄ back
     v_bar_q = v_bar.to(dtype).repeat_interleave(groups, 1)[:, :, None, :]
-    out = torch.where(any_seen, torch.matmul(probs, v) + v_bar_q, 0.0)
+    out = torch.where(any_seen, torch.matmul(probs, v) + probs.sum(-1, keepdim=True) * v_bar_q, 0.0)
     return out.transpose(1, 2).to(q.dtype)
