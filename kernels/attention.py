@@ -18,8 +18,19 @@ Epilogue: O / l + v̄ (the 448 cancels) in the output dtype; optionally
 lse = (m + log2(l / 448))·ln 2 + sm_scale·q·k̄ (K was smoothed: the q·k̄ term is added back).
 
 Masking: keys of a sequence outside [kv_start, kv_end), and, when causal, keys right of the
-query's diagonal (aligned bottom-right). Tiles wholly outside are skipped, not masked; only the
-few tiles that straddle a boundary run the masked variant of the loop.
+query's diagonal (aligned bottom-right); with WINDOW (W) also keys j ≤ p − W, with CHUNK (C) keys
+before the query's chunk, j < p // C·C (p = the row's key position). Each row's keys are then one
+interval [row_lo, p] ∩ [kv_start, kv_end), whose ends grow with the row: a query tile visits the
+key tiles between its first row's left end and its last row's diagonal. Tiles wholly outside are
+skipped, not masked; only the few tiles that straddle a boundary run the masked variant of the loop.
+
+Variants on the scores and the softmax (the reference's module docstring has the same in torch):
+    SOFTCAP   S ← c′·tanh((S + t) / c′), c′ = c·log2 e, t = sm_scale·log2 e·q·k̄: the cap acts on the
+              true score, so the row term K's smoothing left out is added back first (and not to lse
+              after); tanh(x) = 1 − 2 / (e^{2x} + 1) on exp2. Before the max and the mask.
+    SINKS     after the last tile, one more logit per head without a value, in the kernel's units
+              σ′ = σ·log2 e − t:  m′ = max(m, σ′), l′ = 2^(m − m′)·l + 2^(σ′ − m′ + log2 448);
+              the keys' weights sum to 2^(m − m′)·l / l′, which is what v̄ gets; lse is log l′.
 """
 
 import triton
@@ -32,10 +43,10 @@ from .common import LOG2E, SCALE_FLOOR, int32_to_float, quantize_symmetric, to_f
 def _key_tiles(
     acc, l_i, m_i, q_int, q_coef, q_split, offs_m,
     kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, KC_bhk, kq_row0, vq_row0,
-    lo, hi, kv_lo, kv_hi, diag_offset,
+    lo, hi, kv_lo, kv_hi, diag_offset, row_lo, row_term, cap_scale, cap_exp,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, ROW_LO: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     offs_d = tl.arange(0, D_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -53,10 +64,14 @@ def _key_tiles(
         if SPLIT:  # the rank-one term of K's split channel
             bias += q_split[:, None] * tl.load(KC_bhk + offs_n)[None, :]
         s += bias
+        if SOFTCAP:  # c′·tanh((S + t) / c′) = c′·(1 − 2 / (2^{2(S + t)/c} + 1)); ±inf → ±c′: mask after
+            s = cap_scale * (1.0 - 2.0 / (tl.math.exp2((s + row_term[:, None]) * cap_exp) + 1.0))
         if MASKED:
             visible = ((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag_offset)
+            if ROW_LO:  # the window's / chunk's left end, per row
+                visible = visible & (offs_n[None, :] >= row_lo[:, None])
             s = tl.where(visible, s, float("-inf"))
         # -- online softmax in base 2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -79,40 +94,41 @@ def _key_tiles(
 
 @triton.jit
 def _all_key_tiles(q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, KC_bhk, kq_row0, vq_row0,
-                   first, clean_lo, clean_hi, hi, kv_lo, kv_hi, diag_offset,
+                   first, clean_lo, clean_hi, hi, kv_lo, kv_hi, diag_offset, row_lo, row_term, cap_scale, cap_exp,
                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, GRID_ROUND: tl.constexpr,
-                   SPLIT: tl.constexpr):
-    """The left edge (a tile cut by kv_start), the clean middle and the right edge (cut by kv_end or the
-    diagonal) of a query tile's keys: (O unnormalized, l, m)."""
+                   SPLIT: tl.constexpr, ROW_LO: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The left edge (tiles cut by kv_start, the window or the chunk), the clean middle and the right edge
+    (cut by kv_end or the diagonal) of a query tile's keys: (O unnormalized, l, m)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh,
                                DS_bhq, KC_bhk, kq_row0, vq_row0, first, tl.minimum(clean_lo, hi), kv_lo, kv_hi,
-                               diag_offset, D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND,
-                               SPLIT)
+                               diag_offset, row_lo, row_term, cap_scale, cap_exp, D_PAD, BLOCK_N, True, CAUSAL,
+                               K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND, SPLIT, ROW_LO, SOFTCAP)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh,
                                DS_bhq, KC_bhk, kq_row0, vq_row0, clean_lo, clean_hi, kv_lo, kv_hi,
-                               diag_offset, D_PAD, BLOCK_N, False, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND,
-                               SPLIT)
+                               diag_offset, row_lo, row_term, cap_scale, cap_exp, D_PAD, BLOCK_N, False, CAUSAL,
+                               K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND, SPLIT, ROW_LO, SOFTCAP)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh,
                                DS_bhq, KC_bhk, kq_row0, vq_row0, tl.maximum(clean_hi, clean_lo), hi, kv_lo, kv_hi,
-                               diag_offset, D_PAD, BLOCK_N, True, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND,
-                               SPLIT)
+                               diag_offset, row_lo, row_term, cap_scale, cap_exp, D_PAD, BLOCK_N, True, CAUSAL,
+                               K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND, SPLIT, ROW_LO, SOFTCAP)
     return acc, l_i, m_i
 
 
 @triton.jit
 def attention_kernel(
-    Q, kq_desc, KS, vq_desc, VS, DS, KC, SPLIT_CHANNEL, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, O, LSE,
+    Q, kq_desc, KS, vq_desc, VS, DS, KC, SPLIT_CHANNEL, Q_BAR, K_BAR, V_BAR, KV_START, KV_END, SINKS, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_ob, stride_oh, stride_on, stride_od,
-    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef,
+    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, score_coef, WINDOW, CHUNK, cap_scale, cap_exp,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_GROUP: tl.constexpr, QK_MAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, P_LOG2: tl.constexpr, RETURN_LSE: tl.constexpr,
-    GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr,
+    GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SINKS_ON: tl.constexpr, SOFTCAP: tl.constexpr, ROW_LO: tl.constexpr, ROW_TERM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bhq = tl.program_id(1)  # b·Hq + h
@@ -143,8 +159,16 @@ def attention_kernel(
     q_split = q_coef  # Q's part of the split channel's rank-one score term (zero when the kv head has none)
     if SPLIT:
         q_split = tl.sum(tl.where((offs_d == tl.load(SPLIT_CHANNEL + bhk))[None, :], qs, 0.0), axis=1) * score_coef
+    # the row term K's smoothing leaves out of the scores, base 2 (true score = kernel score + t): the soft
+    # cap needs the true score, a sink is compared with the kernel's, lse adds it back
+    row_term = q_coef  # a placeholder of the right shape where no stage reads it
+    if ROW_TERM:  # SOFTCAP, SINKS_ON or RETURN_LSE
+        k_bar = tl.load(K_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
+        row_term = tl.sum(q * k_bar[None, :], axis=1) * score_coef
 
-    # --- which key tiles to visit: [kv_lo, kv_hi) ∩ causal, split into masked edges and a clean middle
+    # --- which key tiles to visit: [kv_lo, kv_hi) ∩ causal ∩ window ∩ chunk, split into masked edges and a
+    # clean middle. A row's keys start at row_lo (kv_lo, the window's or the chunk's start: the largest),
+    # which grows with the row: the tile's first row bounds the tiles to visit, its last row the clean ones.
     kv_lo = 0
     kv_hi = NK
     if HAS_KV_RANGE:
@@ -153,14 +177,34 @@ def attention_kernel(
     diag_offset = NK - NQ
     hi = kv_hi
     clean_hi = kv_hi // BLOCK_N * BLOCK_N
+    lo_first = kv_lo  # the first row's left end (keys left of it are masked for every row)
+    lo_last = kv_lo  # the last row's (keys from it on are seen by every row, up to the diagonal)
+    row_lo = offs_m  # per-row left ends, with a window or chunk only (a placeholder otherwise)
     if CAUSAL:
         last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, NQ) - 1
         hi = tl.minimum(hi, last_row + diag_offset + 1)  # keys right of this are masked for every row
         clean_hi = tl.minimum(clean_hi, (pid_m * BLOCK_M + diag_offset + 1) // BLOCK_N * BLOCK_N)
-    first = kv_lo // BLOCK_N * BLOCK_N
-    clean_lo = tl.cdiv(kv_lo, BLOCK_N) * BLOCK_N
+        if ROW_LO:  # HAS_WINDOW or HAS_CHUNK
+            # key positions, clamped at 0: rows left of key 0 see nothing (causal), and floor division stays
+            # on non-negative numbers
+            row_p = tl.maximum(offs_m + diag_offset, 0)
+            first_p = tl.maximum(pid_m * BLOCK_M + diag_offset, 0)
+            last_p = tl.maximum(last_row + diag_offset, 0)
+            row_lo = tl.zeros([BLOCK_M], tl.int32) + kv_lo
+            if HAS_WINDOW:  # keys j > p − W
+                row_lo = tl.maximum(row_lo, row_p - WINDOW + 1)
+                lo_first = tl.maximum(lo_first, first_p - WINDOW + 1)
+                lo_last = tl.maximum(lo_last, last_p - WINDOW + 1)
+            if HAS_CHUNK:  # keys of the query's chunk: j ≥ p // C·C (j ≤ p is the causal rule)
+                row_lo = tl.maximum(row_lo, row_p // CHUNK * CHUNK)
+                lo_first = tl.maximum(lo_first, first_p // CHUNK * CHUNK)
+                lo_last = tl.maximum(lo_last, last_p // CHUNK * CHUNK)
+    first = lo_first // BLOCK_N * BLOCK_N
+    clean_lo = tl.cdiv(lo_last, BLOCK_N) * BLOCK_N
     hi = tl.maximum(hi, first)
     clean_hi = tl.maximum(clean_hi, clean_lo)
+    cap_scale = tl.cast(cap_scale, tl.float32)
+    cap_exp = tl.cast(cap_exp, tl.float32)
 
     kq_row0 = (bhk * NK_PAD).to(tl.int32)
     vq_row0 = (bhk * D_PAD).to(tl.int32)
@@ -174,18 +218,36 @@ def attention_kernel(
 
     acc, l_i, m_i = _all_key_tiles(q_int, q_coef, q_split, offs_m, kq_desc, vq_desc, KS_bh, VS_bh, DS_bhq, KC_bhk,
                                    kq_row0, vq_row0, first, clean_lo, clean_hi, hi, kv_lo, kv_hi, diag_offset,
-                                   BLOCK_M, D_PAD, BLOCK_N, CAUSAL, K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND, SPLIT)
+                                   row_lo, row_term, cap_scale, cap_exp, BLOCK_M, D_PAD, BLOCK_N, CAUSAL,
+                                   K_TOKEN_SCALE, V_FP8, P_LOG2, GRID_ROUND, SPLIT, ROW_LO, SOFTCAP)
 
-    # --- epilogue: normalize, add v̄ back; rows that saw no key are zero. l is 0 exactly for those;
-    # NaN (NaN/±Inf inputs) is != 0, so it stays NaN instead of passing for a row without keys
+    # --- sinks: one more logit per head, without a value, in the kernel's units (the capped scores are the
+    # true ones: no row term there), joining m and l as a key would; the keys' weights now sum to l_keys / l
+    shift = row_term
+    if SOFTCAP:
+        shift = tl.zeros([BLOCK_M], tl.float32)
+    l_keys = l_i
+    if SINKS_ON:
+        sink = tl.load(SINKS + h) * LOG2E - shift
+        m_new = tl.maximum(m_i, sink)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key and a −inf sink: nothing at all
+        alpha = tl.math.exp2(m_i - m_use)
+        acc = acc * alpha[:, None]
+        l_keys = l_i * alpha
+        l_i = l_keys + tl.math.exp2(sink - m_use + P_LOG2)
+        m_i = m_new
+
+    # --- epilogue: normalize, add v̄ back (weighted as the keys are: 1 without sinks); rows that saw no key
+    # (nor sink) are zero. l is 0 exactly for those; NaN (NaN/±Inf inputs) is != 0, so it stays NaN instead
+    # of passing for a row without keys
     seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    v_bar = tl.load(V_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
-    out = tl.where(seen[:, None], acc / l_safe[:, None] + v_bar[None, :], 0.0)
+    v_bar = tl.load(V_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)[None, :]
+    if SINKS_ON:
+        v_bar = v_bar * (l_keys / l_safe)[:, None]
+    out = tl.where(seen[:, None], acc / l_safe[:, None] + v_bar, 0.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     if RETURN_LSE:
-        k_bar = tl.load(K_BAR + bhk * HEAD_DIM + offs_d, mask=col_ok, other=0.0)
-        shift = tl.sum(q * k_bar[None, :], axis=1) * (score_coef / LOG2E)
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe) - P_LOG2) / LOG2E + shift, float("-inf"))
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe) - P_LOG2 + shift) / LOG2E, float("-inf"))
         tl.store(LSE + bhq.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)

@@ -162,8 +162,6 @@ def triton_attention(
 ) -> torch.Tensor | None:
     """The portable Triton kernel. q (B, Hq, Nq, D), k/v (B, Hk, Nk, D), out like q — all HND views.
     window / chunk / softcap: 0 for none; sinks (Hq,) or None. Writes ``out``; returns lse or None."""
-    if window or chunk or sinks is not None or softcap:
-        raise NotImplementedError("the portable Triton kernel's variants land in the next commit")
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
@@ -180,14 +178,18 @@ def triton_attention(
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None
     fast(attention_kernel)[(triton.cdiv(nq, block_m), b * hq)](
         q, kq_desc, kv.ks, vq_desc, kv.vs, kv.ds, kv.kc, kv.split, kv.q_bar, kv.k_bar, kv.v_bar,
-        kv_start, kv_end, out, lse,
+        kv_start, kv_end, None if sinks is None else sinks.float().contiguous(), out, lse,
         *q.stride(), *out.stride(),
-        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E,
+        hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E, window, chunk,
+        # the soft cap's two constants (see kernels/attention.py); 0 when off (then unread)
+        softcap * LOG2E, 2.0 / softcap if softcap else 0.0,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, Q_GROUP=config["Q_GROUP"],
         QK_MAX=INT_MAX[qk], CAUSAL=is_causal, HAS_KV_RANGE=kv_start is not None,
         K_TOKEN_SCALE=config["K_TOKEN_SCALE"], V_FP8=v_fp8,
         P_LOG2=math.log2(P_SCALE["fp8_e4m3"] if v_fp8 else P_SCALE["fp16"]),
         RETURN_LSE=return_lse, GRID_ROUND=tuning.interpreting(), SPLIT=kv.with_split,
+        HAS_WINDOW=bool(window), HAS_CHUNK=bool(chunk), SINKS_ON=sinks is not None, SOFTCAP=bool(softcap),
+        ROW_LO=bool(window or chunk), ROW_TERM=bool(softcap or sinks is not None or return_lse),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return lse
@@ -217,7 +219,8 @@ def hopper_attention(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> torch.Tensor | None:
-    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``."""
+    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``,
+    the variants included (window / chunk / softcap: 0 for none; sinks (Hq,) or None)."""
     config = tuning.hopper_config(q.shape[-1])
     kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
@@ -226,17 +229,22 @@ def hopper_attention(
                      split=split_channel)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
-                                persistent=persistent, pv_tiles=pv_tiles)
+                                persistent=persistent, pv_tiles=pv_tiles, window=window, chunk=chunk, sinks=sinks,
+                                softcap=softcap)
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
                          kv_end, return_lse: bool, stages: int, persistent: bool | None = None,
-                         pv_tiles: int | None = None):
-    """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself)."""
+                         pv_tiles: int | None = None, window: int = 0, chunk: int = 0,
+                         sinks: torch.Tensor | None = None, softcap: float = 0.0):
+    """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself).
+    window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics)."""
     from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
+    if (window or chunk) and not is_causal:
+        raise ValueError(f"window and chunk need is_causal=True; got window={window}, chunk={chunk}")
     config = tuning.hopper_config(d)
     persistent = config["PERSISTENT"] if persistent is None else persistent
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
@@ -251,10 +259,12 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, b * hq, sm_scale * LOG2E, sm_scale,
+        int(window), int(chunk), None if sinks is None else sinks.float().contiguous(), float(softcap),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
         P_LOG2=P_LOG2_FP8, RETURN_LSE=return_lse, PERSISTENT=persistent,
-        SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"], num_warps=4,
+        SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"],
+        WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap), num_warps=4,
     )
     return lse
 

@@ -124,7 +124,7 @@ def test_outputs_are_fully_written(seed):
 # --- mutants: the check above must catch a broken kernel -------------------------------------------
 MUTATIONS = {
     "drop ΔS": ("bias = tl.load(DS_bhq + offs_n)[None, :]", "bias = 0.0 * tl.load(DS_bhq + offs_n)[None, :]"),
-    "drop v̄": ("acc / l_safe[:, None] + v_bar[None, :]", "acc / l_safe[:, None]"),
+    "drop v̄": ("acc / l_safe[:, None] + v_bar", "acc / l_safe[:, None]"),
     "causal diagonal top-left": ("diag_offset = NK - NQ", "diag_offset = NK * 0"),
 }
 
