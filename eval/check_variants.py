@@ -369,9 +369,10 @@ def main(argv=None) -> int:
     bounds = (f"bounds: quantized kernel path, finite, cos ≥ {COS_MIN}, RelL1 ≤ {REL_L1_MAX}, mean |Δlse| ≤ {LSE_TOL} "
               f"(frac_over: elements with |err| > {ELEMENT_TOL:g}·max|ref|, reported); reference in "
               f"{str(ref_dtype).split('.')[-1]}; backend {backend}; inputs: eval/synthetic.py's recipe on the device")
-    return report.finish("Attention variants: accuracy at user lengths", report.versions("transformers") + "\n\n"
-                         + bounds + f"\n\n`python eval/check_variants.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-                         rows, args.out, "check-variants", None if device == "cuda" else "cpu")
+    command = "python eval/check_variants.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    return report.finish("Attention variants: accuracy at user lengths",
+                         f"{report.versions('transformers')}\n\n{bounds}\n\n`{command.strip()}`",
+                         rows, args.out, "check-variants")
 
 
 if __name__ == "__main__":
