@@ -20,10 +20,15 @@ go through ``attention_dispatch`` are set to its ``native`` backend for the time
 one that calls SDPA), whatever backend the user picked; ``unpatch`` restores it. Only the
 denoiser's modules get hooks: VAE and text-encoder attention stay untouched.
 
+Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``, ring or
+Ulysses): the calls diffusers runs through its context-parallel template go to the same plan through
+:mod:`.context_parallel` (the module says which hook it uses); the calls a processor makes without
+its parallel config (Wan's cross-attention) are SDPA calls as above.
+
 What falls back (full-precision SDPA, counted and warned once per reason by
 :func:`hf_qattn.fallback_stats`): masks other than key-padding masks (those become the kernel's
 ``kv_start`` / ``kv_end``), head dims > 256, dropout or autograd, causal with Nq ≠ Nk,
-context-parallel processors, and processors that compute attention without SDPA. A plan entry
+and processors that compute attention without SDPA. A plan entry
 ``"unquantized"`` also runs SDPA, counted as an ``unquantized-by-plan`` call without a warning.
 
 Limits: eager mode (torch.compile of the denoiser is untested with the hooks); attention computed
@@ -33,6 +38,7 @@ outside an attention module (no ``processor``) is not routed; the step tracking 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -45,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import ops, stats, support
 from ...plan import DEFAULT_PRECISION, LEGACY_SPELLINGS, PLAN_CONFIG_KEY, PRECISIONS, UNQUANTIZED, PlanError, QAttnPlan
+from . import context_parallel
 from .sdpa import SDPA, kernel_gap, run_qattn, sdpa_arguments
 from .steps import DenoisingStepTracker, SchedulerHooks
 
@@ -179,25 +186,51 @@ def _resolve_plan(plan, model: torch.nn.Module, num_layers: int) -> QAttnPlan:
 # -- routing ------------------------------------------------------------------------------------
 
 class _LayerRoute(TorchFunctionMode):
-    """Active while one attention module runs: its SDPA calls go to the patch, all else passes."""
+    """Active while one attention module runs: its SDPA calls go to the patch, all else passes.
+    Context-parallel calls reach it through :meth:`serve` (see :mod:`.context_parallel`)."""
 
     def __init__(self, denoiser: "_PatchedDenoiser", layer: int):
         super().__init__()
         self.denoiser = denoiser
         self.layer = layer
-        self.sdpa_calls = 0
+        self.calls = 0  # attention calls served while the module ran: SDPA and context-parallel ones
+        self._bypass = 0
+
+    def serve(self, named: dict, full_precision, *, return_lse: bool = False, gap: str | None = None):
+        """One attention call of this layer given by SDPA's arguments (:meth:`_PatchedDenoiser.serve`)."""
+        self.calls += 1
+        return self.denoiser.serve(self.layer, named, full_precision, return_lse=return_lse, gap=gap)
+
+    @contextlib.contextmanager
+    def bypass(self):
+        """SDPA called inside runs as SDPA: a full-precision result the patch computes itself."""
+        self._bypass += 1
+        try:
+            yield
+        finally:
+            self._bypass -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not SDPA:
+        if func is not SDPA or self._bypass:
             if torch.compiler.is_compiling() and args and isinstance(args[0], torch.Tensor) \
                     and getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func:
                 # a Tensor method: called as a method, which torch.compile traces (the function
                 # object of a Python-defined method such as Tensor.unflatten it cannot)
                 return getattr(args[0], func.__name__)(*args[1:], **kwargs)
             return func(*args, **kwargs)
-        self.sdpa_calls += 1
-        return self.denoiser.attend(self.layer, func, args, kwargs)
+        return self.serve(sdpa_arguments(args, kwargs), lambda: func(*args, **kwargs))
+
+
+# The attention modules running now in this thread, innermost last (one stack for every denoiser: the
+# context-parallel op, called deep inside diffusers, finds the layer it serves here).
+_running = threading.local()
+
+
+def active_route() -> _LayerRoute | None:
+    """The route of the patched attention module running now in this thread, or None."""
+    stack = getattr(_running, "stack", None)
+    return stack[-1] if stack else None
 
 
 def _timestep_position(model: torch.nn.Module) -> int | None:
@@ -226,13 +259,14 @@ class _PatchedDenoiser:
         self._model = weakref.ref(model)  # weak: the patch registry must not keep models alive
         self.plan = plan
         self.layer_names = [layer_name for layer_name, _ in layers]
-        self._active = threading.local()
         self._saved_backends: dict[int, tuple[object, bool, object]] = {}
         self._timestep_position = _timestep_position(model)
         self._hooks = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         for layer, (_, module) in enumerate(layers):
             self._hooks.append(module.register_forward_pre_hook(self._enter_layer(layer)))
             self._hooks.append(module.register_forward_hook(self._exit_layer, always_call=True))
+        context_parallel.install()  # undone by remove(), as the hooks are
+        self._installed = True
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -248,6 +282,9 @@ class _PatchedDenoiser:
             else:
                 del processor._attention_backend
         self._saved_backends.clear()
+        if self._installed:
+            self._installed = False
+            context_parallel.uninstall()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_model_call(self, module, args, kwargs):
@@ -276,14 +313,10 @@ class _PatchedDenoiser:
 
     def _enter_layer(self, layer: int):
         def enter(module, args):
-            stack = getattr(self._active, "stack", None)
+            stack = getattr(_running, "stack", None)
             if stack is None:  # plain attribute access: dynamo (torch 2.11) rejects __dict__.setdefault here
-                stack = self._active.stack = []
+                stack = _running.stack = []
             processor = getattr(module, "processor", None)
-            if getattr(processor, "_parallel_config", None) is not None:
-                stats.record_fallback("context-parallel attention processor (not routed)")
-                stack.append(None)
-                return
             self._route_native(processor)
             route = _LayerRoute(self, layer)
             route.__enter__()
@@ -291,35 +324,39 @@ class _PatchedDenoiser:
         return enter
 
     def _exit_layer(self, module, args, output):
-        stack = getattr(self._active, "stack", None)
+        stack = getattr(_running, "stack", None)
         route = stack.pop() if stack else None
         if route is None:
             return
         route.__exit__(None, None, None)
-        if route.sdpa_calls == 0:
+        if route.calls == 0:
             stats.record_fallback(f"{type(getattr(module, 'processor', None)).__name__} computes attention "
                                   "without torch SDPA (not routed)")
 
-    # -- one SDPA call ----------------------------------------------------------------------------
-    def attend(self, layer: int, sdpa, args: tuple, kwargs: dict):
-        named = sdpa_arguments(args, kwargs)
-        gap, pattern = kernel_gap(named)
+    # -- one attention call -----------------------------------------------------------------------
+    def serve(self, layer: int, named: dict, full_precision, *, return_lse: bool = False, gap: str | None = None):
+        """One attention call of ``layer``, given by SDPA's arguments (``named``, see
+        :func:`~.sdpa.sdpa_arguments`): qattn at the plan's precision, or ``full_precision()`` — what the
+        model computes without the patch — where the plan or a ``gap`` (the caller's reason, else the
+        kernel's) says so. With ``return_lse`` (a ring shard) the result is (output, natural-log LSE)."""
+        kernel_reason, pattern = kernel_gap(named)
+        gap = gap or kernel_reason
         tracker = self.owner.tracker
         recorder = self.owner.recorder
         if recorder is not None:  # calibration: the run stays full precision, the kernel is scored aside
-            out = sdpa(*args, **kwargs)
+            out = full_precision()
             recorder.record(self.name, tracker.step, layer, named, pattern, gap)
             return out
         if gap is not None:
             ops.record(support.SDPA, gap)
-            return sdpa(*args, **kwargs)
+            return full_precision()
         # the step only matters to a plan with step entries (and read, it would specialise a compiled graph on it)
         precision = self.plan.precision(layer, tracker.step, tracker.total_steps) if self.plan.steps \
             else self.plan.precision(layer)
         if precision == UNQUANTIZED:
             ops.record(support.UNQUANTIZED_BY_PLAN)
-            return sdpa(*args, **kwargs)
-        return run_qattn(named, precision, pattern)
+            return full_precision()
+        return run_qattn(named, precision, pattern, return_lse=return_lse)
 
 
 # -- the patch ----------------------------------------------------------------------------------
@@ -367,6 +404,8 @@ class QAttnPatch:
                 layers = attention_layers(model)
                 if not layers:
                     raise ValueError(f"{name} ({type(model).__name__}) has no attention modules to patch")
+                if self.recorder is not None:
+                    context_parallel.refuse_calibration(name, model, [module for _, module in layers])
                 resolved = _resolve_plan(plan, model, len(layers)) if self.recorder is None else QAttnPlan()
                 self.denoisers[name] = _PatchedDenoiser(self, name, model, resolved, layers)
                 self._plans[name] = resolved

@@ -10,7 +10,8 @@ calls the same function (Flux, Wan, HunyuanVideo, LTX, ...). The patch intercept
 - :func:`kernel_gap` says why the kernel cannot serve the call (or ``None``), and turns the mask
   into causal ∧ per-sequence key range with the analysis both integrations share
   (:func:`hf_qattn.masks.cached_analysis`);
-- :func:`run_qattn` calls the kernel with the layout the tensors already have in memory.
+- :func:`run_qattn` calls the kernel with the layout the tensors already have in memory (and returns
+  the LSE where context parallelism asks for it, see :mod:`.context_parallel`).
 """
 
 from __future__ import annotations
@@ -73,14 +74,20 @@ def _nhd_view(t: torch.Tensor) -> torch.Tensor | None:
     return view if view.is_contiguous() else None
 
 
-def run_qattn(named: dict, qk: str, pattern: MaskPattern) -> torch.Tensor:
-    """``qattn`` on an SDPA call the kernel can serve; returns SDPA's (B, H, Nq, D) output."""
+def run_qattn(named: dict, qk: str, pattern: MaskPattern, return_lse: bool = False):
+    """``qattn`` on an SDPA call the kernel can serve; returns SDPA's (B, H, Nq, D) output, and with
+    ``return_lse`` also the natural-log LSE (B, H, Nq) float32 that context parallelism merges shards by."""
     q = named["query"]
     k, v = pattern.keys(named["key"], named["value"])
-    options = dict(sm_scale=named["scale"], qk=qk, **pattern.qattn_options())
+    options = dict(sm_scale=named["scale"], qk=qk, return_lse=return_lse, **pattern.qattn_options())
     # Processors usually build (B, H, N, D) as a transpose of (B, N, H, D) memory: hand the kernel
     # that memory as NHD, so neither the inputs nor the output need a copy.
     nhd = [_nhd_view(t) for t in (q, k, v)]
     if all(t is not None for t in nhd):
-        return qattn(*nhd, layout="NHD", **options).transpose(1, 2)
-    return qattn(q, k, v, layout="HND", **options)
+        result = qattn(*nhd, layout="NHD", **options)
+        out, lse = result if return_lse else (result, None)
+        out = out.transpose(1, 2)
+    else:
+        result = qattn(q, k, v, layout="HND", **options)
+        out, lse = result if return_lse else (result, None)
+    return (out, lse) if return_lse else out
