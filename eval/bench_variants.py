@@ -144,16 +144,17 @@ def _flex_plain(q, k, v, block_mask, score_mod, enable_gqa):
 _compiled = {}
 
 
-def compiled(fn, compile_flex: bool):
-    """``fn`` compiled once (each shape then compiles its own graph), or as is without compilation."""
-    if not compile_flex:
+def compiled(fn, flex_mode: str | None):
+    """``fn`` compiled once in ``torch.compile`` mode ``flex_mode`` (each shape then compiles its own graph), or
+    as is when ``flex_mode`` is None."""
+    if flex_mode is None:
         return fn
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False)
+        _compiled[fn] = torch.compile(fn, dynamic=False, mode=None if flex_mode == "default" else flex_mode)
     return _compiled[fn]
 
 
-def build(method, q, k, v, spec, sinks, scale, compile_flex):
+def build(method, q, k, v, spec, sinks, scale, flex_mode):
     """(zero-argument call, its output → HND) for ``method`` on this layer; masks built here, once."""
     window, chunk, softcap = spec.get("window"), spec.get("chunk"), spec.get("softcap")
     hq, hk, n = q.shape[1], k.shape[1], q.shape[2]
@@ -168,9 +169,9 @@ def build(method, q, k, v, spec, sinks, scale, compile_flex):
         block_mask = create_block_mask(flex_mask_mod(window, chunk), None, None, n, n, device=q.device)
         score_mod = flex_softcap(softcap) if softcap is not None else None
         if sinks is not None:
-            fn = compiled(_flex_with_sinks, compile_flex)
+            fn = compiled(_flex_with_sinks, flex_mode)
             return (lambda: fn(q, k, v, sinks, block_mask, score_mod, hq != hk)), same
-        fn = compiled(_flex_plain, compile_flex)
+        fn = compiled(_flex_plain, flex_mode)
         return (lambda: fn(q, k, v, block_mask, score_mod, hq != hk)), same
     if method == "sdpa-mask":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -216,7 +217,7 @@ def cos_to(out, ref) -> float:
     return (o @ r / (o.norm() * r.norm())).item()
 
 
-def run_case(key, *, device, compile_flex, tiny, seed):
+def run_case(key, *, device, flex_mode, tiny, seed):
     label, spec, methods, targets = CASES[key]
     spec = dict(spec)
     if tiny:
@@ -237,7 +238,7 @@ def run_case(key, *, device, compile_flex, tiny, seed):
         try:
             if method == "qattn":
                 hf_qattn.reset_fallback_stats()
-            fn, to_hnd = build(method, q, k, v, spec, sinks, scale, compile_flex)
+            fn, to_hnd = build(method, q, k, v, spec, sinks, scale, flex_mode)
             out = fn()  # the first call: compilation, autotuning; also the output the cosine reads
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -312,6 +313,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes: the script's logic (backend reference)")
     p.add_argument("--no-compile", action="store_true", help="Flex uncompiled (its math path; for --tiny checks)")
+    p.add_argument("--flex-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode for Flex (max-autotune: minutes of tuning a shape)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder or .md file (default eval/results/)")
     return p.parse_args(argv)
@@ -339,15 +342,15 @@ def main(argv=None) -> int:
               "B1, bf16, inputs by eval/synthetic.py's recipe; ms: median of triton's do_bench (host clock on the "
               "CPU); qattn includes its quantization passes; `qattn × M` = M's ms / qattn's ms; `cos`: against "
               "float32 attention of the same layer. Methods: see the script's docstring. Flex "
-              + ("uncompiled (--no-compile)" if args.no_compile else "compiled with torch.compile (default mode)")
+              + ("uncompiled (--no-compile)" if args.no_compile else f"compiled with torch.compile (mode {args.flex_mode})")
               + ".", ""]
     rows = []
     started = time.perf_counter()
     for i, key in enumerate(keys):
         log(f"== {CASES[key][0]}")
         try:
-            rows.append(run_case(key, device=device, compile_flex=not args.no_compile, tiny=args.tiny,
-                                 seed=args.seed + i))
+            rows.append(run_case(key, device=device, flex_mode=None if args.no_compile else args.flex_mode,
+                                 tiny=args.tiny, seed=args.seed + i))
         except Exception as error:  # inputs or the reference failed: the layer's row says so
             traceback.print_exc()
             rows.append({"layer": CASES[key][0], "targets": short(error)})

@@ -262,8 +262,8 @@ def cases(quick: bool, tiny: bool) -> list[tuple[str, dict]]:
                                                                     dtype=torch.float16)),
             ("window 16, d128", dict(window=16)),
             ("window 1000 (no tile multiple), Nq 1000 after 32k keys", dict(nq=1000, nk=32768, window=1000)),
-            ("chunk 8192, Nq 3000 across a chunk edge (keys 13000–16000 of 16000)", dict(nq=3000, nk=16000,
-                                                                                          chunk=8192)),
+            ("chunk 8192, Nq 3000 across a chunk edge (queries at keys 15000–17999, the edge at 16384)",
+             dict(nq=3000, nk=18000, chunk=8192)),
             ("window 4096, NHD, 16k, GQA 8/1", dict(nq=16384, nk=16384, hk=1, window=4096, layout="NHD")),
             ("Triton kernel forced: sinks + window 128, d64, GQA 64/8, 8k",
              dict(hq=64, hk=8, d=64, sinks=True, window=128, backend="triton")),
@@ -335,6 +335,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", default=None, choices=["auto", "hopper", "triton", "reference"],
                    help="qattn's backend (default: auto on a GPU, reference for --tiny)")
     p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    p.add_argument("--list", action="store_true", help="print the cases this run would check, and stop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp32-reference", action="store_true", help="the reference in float32 (default float64)")
     return p.parse_args(argv)
@@ -342,6 +343,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.list:
+        for name, case in cases(args.quick, args.tiny):
+            if args.only in name:
+                print(describe(name, case))
+        return 0
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     if device == "cpu" and not args.tiny:
         print("no CUDA device: run with --tiny (CPU) or on the GPU machine", file=sys.stderr)
