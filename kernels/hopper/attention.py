@@ -10,7 +10,9 @@ keys permuted inside 32-key groups and V's per-channel range, ΔS per (query hea
 channel of K per (kv head, key) — through TMA descriptors, loaded by the loader warp — and the
 smoothing centers. SPLIT (an option, ``qattn(split_channel=True)``): K's split channel per kv head
 adds its rank-one term to the scores (kernels/quantize.py says which channel and why). GQA/MQA: query head
-h reads K/V head h // GROUPS, no copies.
+h reads K/V head h // GROUPS, no copies. The attention variants (sliding WINDOW, CHUNK, SINKS, SOFTCAP; the
+semantics of ``hf_qattn.qattn``) are switches too: the scheduler narrows each item's key tiles, the
+consumers mask and cap scores, the epilogue adds the sinks.
 """
 
 from .epilogue import store_output
@@ -28,7 +30,7 @@ BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroup
 @gluon.jit
 def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
-    position after it (``base`` + its key tiles)."""
+    position after it (``base`` + its key tiles, counted as the loader counts them)."""
     BM: gl.constexpr = 64
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, cfg.BLOCK_N, 32])
@@ -38,18 +40,19 @@ def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP: gl
     b = bhq // prob.HQ
     h = bhq % prob.HQ
     bhk = b * (prob.HQ // prob.GROUPS) + h // prob.GROUPS
-    end = key_tiles(prob, cfg, b, m_block)
+    first, end = key_tiles(prob, cfg, b, m_block)
     if cfg.K_TOKEN_SCALE:
         KS_bh = prob.KS + bhk.to(gl.int64) * prob.NK_PAD
     else:
         KS_bh = prob.KS + bhk.to(gl.int64) * prob.NUM_TILES
     cta_row0 = m_block * cfg.BLOCK_M
     row0 = cta_row0 + WARPGROUP * BM
-    q_coef, q_split = quantize_q(prob, cfg, q_smem, b, h, bhq, prob.SPLIT_CHANNEL + bhk, row0, BM, qk_layout)
-    acc, l_i, m_i = attend(cfg, ring, q_smem, q_coef, q_split, o_smem, m_smem, KS_bh, base, end, cta_row0, row0,
-                           prob.NQ, prob.NK, BM, qk_layout, o_layout)
+    q_coef, q_split, q_cap = quantize_q(prob, cfg, q_smem, b, h, bhq, bhk, prob.SPLIT_CHANNEL + bhk, row0, BM,
+                                        qk_layout)
+    acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first,
+                           end - first, cta_row0, row0, BM, qk_layout, o_layout)
     store_output(prob, cfg, acc, l_i, m_i, b, h, bhq, bhk, row0, BM, o_layout)
-    return base + end
+    return base + (end - first)
 
 
 @gluon.jit
@@ -70,18 +73,19 @@ def consumer(cfg, prob, ring, q_all, o_all, m_all, WARPGROUP: gl.constexpr):
 def attention_kernel(
     Q, k_desc, vt_desc, ds_desc, KS, SPLIT_CHANNEL, Q_BAR, K_BAR, V_BAR, V_SCALE, KV_END, O, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
-    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale,
+    HQ, GROUPS, NQ, NK, NK_PAD, NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap,
     HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr,
+    WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES)
+                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
-                   NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale)
+                   NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)
     q_all = gl.allocate_shared_memory(gl.int8, [2, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.int8))
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)

@@ -19,12 +19,12 @@ def load_kv(cfg, prob, ring, k_desc, vt_desc, ds_desc):
         m_block, bhq = work_item(t, prob, cfg)
         b = bhq // prob.HQ
         bhk = b * (prob.HQ // prob.GROUPS) + (bhq % prob.HQ) // prob.GROUPS
-        end = key_tiles(prob, cfg, b, m_block)
+        first, end = key_tiles(prob, cfg, b, m_block)
         k_row0 = (bhk * prob.NK_PAD).to(gl.int32)
         vt_row0 = (bhk * cfg.D_PAD).to(gl.int32)
         ds_row0 = (bhq * prob.NK_PAD).to(gl.int32)
         kc_row0 = ((prob.KC_ROW0 + bhk) * prob.NK_PAD).to(gl.int32)  # kc rows follow the ΔS rows in one buffer
-        for i in range(end):
+        for i in range(first, end):  # the consumers visit the same tiles (scheduler.py)
             s = g % cfg.STAGES
             mbarrier.wait(ring.empty.index(s), ((g // cfg.STAGES) & 1) ^ 1)  # first pass: passes at once
             ready = ring.ready.index(s)

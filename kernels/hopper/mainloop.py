@@ -12,6 +12,7 @@ cores, the softmax of tile j+1 runs on the FP32/MUFU units:
     issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O
     wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS + qc·kc,  m, l,  P = 2^(s − m + log2 448)
                                    (qc·kc: K's split channel, rank one; only for kv heads that have one)
+                                   [SOFTCAP: s ← c·tanh(s_true / c)·log2 e, s_true = s / log2 e + sm_scale·q·k̄]
     wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)
     every PV_TILES tiles:  O_smem = O_smem·2^(m_flush − m) + O;  O = 0      (two-level accumulation)
 
@@ -25,19 +26,28 @@ RelL1 0.0032 at 4k keys, 0.0241 at 131k). The wgmma accumulator ``acc`` therefor
 PV_TILES tiles; then it is added into ``o_smem``, an FP32 sum in shared memory kept at the row maximum
 of its last flush (m_flush) and rescaled only when flushed. Shared memory, not registers: a second
 64-register accumulator carried through the loop spilled the causal main loop.
+
+Variants (constexpr switches, off by default at no cost): WINDOW / CHUNK visit only the key tiles
+[first, first + n) the scheduler gives, masking the tiles that cross a row's window or chunk start
+(``first_key``) or the diagonal; the tiles between them run unmasked. SOFTCAP caps the true score:
+the per-row term sm_scale·q·k̄ that K's smoothing took out (the ΔS term carries Q's smoothing) is added
+back before the tanh, so capped scores are true scores (the epilogue adds no shift to their lse).
 """
 
 from .. import formats
 from .gluon_api import fence_async_shared, gl, gluon, mbarrier, partition_barrier, warpgroup_mma, warpgroup_mma_wait
+from .scheduler import first_key
 
 _ROUND_MAGIC = gl.constexpr(formats.ROUND_MAGIC)
+_LOG2E = gl.constexpr(formats.LOG2E)
 
 
 @gluon.jit
-def quantize_q(prob, cfg, q_smem, b, h, bhq, split_ptr, row0, BM: gl.constexpr, qk_layout: gl.constexpr):
-    """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e
-    and, with SPLIT, its part of the split channel's score term, (q_c − q̄_c)·sm_scale·log2 e (c from
-    ``split_ptr``; 0 when it is −1)."""
+def quantize_q(prob, cfg, q_smem, b, h, bhq, bhk, split_ptr, row0, BM: gl.constexpr, qk_layout: gl.constexpr):
+    """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e;
+    with SPLIT, its part of the split channel's score term, (q_c − q̄_c)·sm_scale·log2 e (c from
+    ``split_ptr``; 0 when it is −1); with SOFTCAP, its tanh offset 2·log2 e·sm_scale·q·k̄ / c (``_softcap``).
+    A value whose switch is off is a placeholder (q_coef again) the compiler drops."""
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
     cols = gl.arange(0, cfg.D_PAD, layout=gl.SliceLayout(0, blocked))
@@ -65,8 +75,12 @@ def quantize_q(prob, cfg, q_smem, b, h, bhq, split_ptr, row0, BM: gl.constexpr, 
     q_split = q_coef
     if cfg.SPLIT:
         q_split = gl.sum(gl.where((cols == gl.load(split_ptr))[None, :], qs, 0.0), axis=1) * prob.score_coef
+    q_cap = q_coef
+    if cfg.SOFTCAP:
+        k_bar = gl.load(prob.K_BAR + bhk * cfg.HEAD_DIM + cols, mask=cols < cfg.HEAD_DIM, other=0.0)
+        q_cap = gl.sum(q * k_bar[None, :], axis=1) * (prob.sm_scale * (2.0 * _LOG2E) / prob.softcap)
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
-    return gl.convert_layout(q_coef, row), gl.convert_layout(q_split, row)
+    return gl.convert_layout(q_coef, row), gl.convert_layout(q_split, row), gl.convert_layout(q_cap, row)
 
 
 @gluon.jit
@@ -85,20 +99,41 @@ def _scaling_max(m):
 
 
 @gluon.jit
-def _softmax(cfg, qk, q_coef, q_split, ds, kc_tile, k_scale, m_i, l_i, tile, first_row, row0, NQ, NK,
-             BM: gl.constexpr, qk_layout: gl.constexpr):
-    """One tile of the online softmax in base 2; P comes out at the FP8 scale (×448)."""
+def _softcap(s, q_cap, cap_in, cap_out):
+    """c·tanh(s_true / c)·log2 e from a kernel score s (base 2, smoothed): with x = s_true / c,
+    tanh x = 1 − 2 / (e^{2x} + 1) and e^{2x} = 2^{s·(2/c) + q_cap} (``cap_in`` = 2/c, ``cap_out`` = c·log2 e).
+    Through exp2 rather than tanh.approx: its 2^−11 error, times c, would move the weights by percents.
+    A masked score (−inf) stays −inf (the formula would give −c)."""
+    e = gl.exp2(s * cap_in + q_cap[:, None])
+    return gl.where(s == float("-inf"), s, cap_out - (2.0 * cap_out) / (e + 1.0))
+
+
+@gluon.jit
+def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile, k_scale, m_i, l_i, tile,
+             first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr):
+    """One tile of the online softmax in base 2; P comes out at the FP8 scale (×448). ``lo_last``: the first
+    key the warpgroup's last row sees (WINDOW / CHUNK): a tile starting left of it crosses some row's start."""
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    NQ = prob.NQ
+    NK = prob.NK
     if cfg.K_TOKEN_SCALE:
         s = qk.to(gl.float32) * (q_coef[:, None] * k_scale[None, :]) + ds[None, :]
     else:
         s = qk.to(gl.float32) * (q_coef * k_scale)[:, None] + ds[None, :]
     if cfg.SPLIT:  # the rank-one term of K's split channel (kc and q_split are 0 for kv heads without one)
         s += q_split[:, None] * kc_tile.load(gl.SliceLayout(0, qk_layout))[None, :]
+    if cfg.SOFTCAP:
+        s = _softcap(s, q_cap, cap_in, cap_out)
     # keys outside [kv_start, kv_end) and padding keys already hold ΔS = −inf (the K/V pass wrote it);
-    # only the causal diagonal is masked here, in the few tiles that cross it
+    # only the causal diagonal (and a window's or chunk's start) is masked here, in the few tiles that cross it
     start = tile * BLOCK_N
-    if cfg.CAUSAL:
+    if cfg.WINDOW or cfg.CHUNK:
+        if (start + BLOCK_N > first_row + (NK - NQ) + 1) | (start < lo_last):
+            offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+            pos = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout)) + (NK - NQ)
+            visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first_key(prob, cfg, pos)[:, None])
+            s = gl.where(visible, s, float("-inf"))
+    elif cfg.CAUSAL:
         if start + BLOCK_N > first_row + (NK - NQ) + 1:
             offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
             offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))
@@ -135,11 +170,11 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def attend(cfg, ring, q_smem, q_coef, q_split, o_smem, m_smem, KS_bh, base, end, first_row, row0, NQ, NK,
+def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first, n, first_row, row0,
            BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
-    """The main loop over key tiles [0, end): returns (O unnormalized, l, m). ``base`` counts the ring's
-    tiles before this work item (the ring runs on across a persistent CTA's items): tile i sits in
-    stage (base + i) % STAGES.
+    """The main loop over the n key tiles [first, first + n): returns (O unnormalized, l, m). ``base`` counts
+    the ring's tiles before this work item (the ring runs on across a persistent CTA's items): the item's
+    i-th tile sits in stage (base + i) % STAGES. ``first`` is 0 unless WINDOW or CHUNK.
     """
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     STAGES: gl.constexpr = cfg.STAGES
@@ -151,18 +186,26 @@ def attend(cfg, ring, q_smem, q_coef, q_split, o_smem, m_smem, KS_bh, base, end,
     l_i = gl.full([BM], 0.0, gl.float32, layout=row)
     acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)  # the wgmma accumulator: ≤ PV_TILES tiles
     qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
-    if end > 0:
-        k_scale = _k_scale(cfg, KS_bh, 0, col)
+    lo_last = 0
+    if cfg.WINDOW or cfg.CHUNK:
+        lo_last = first_key(prob, cfg, row0 + BM - 1 + (prob.NK - prob.NQ))
+    cap_in = 0.0
+    cap_out = 0.0
+    if cfg.SOFTCAP:
+        cap_in = 2.0 / prob.softcap
+        cap_out = prob.softcap * _LOG2E
+    if n > 0:
+        k_scale = _k_scale(cfg, KS_bh, first, col)
         s0 = base % STAGES
         mbarrier.wait(ring.ready.index(s0), (base // STAGES) & 1)
         ds = ring.ds.index(s0).load(col)  # ΔS of the tile's keys, brought by the loader
         qk = warpgroup_mma(q_smem, ring.k.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        p, alpha, m_i, l_i = _softmax(cfg, qk, q_coef, q_split, ds, ring.kc.index(s0), k_scale, m_i, l_i, 0,
-                                      first_row, row0, NQ, NK, BM, qk_layout)
+        p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s0),
+                                      k_scale, m_i, l_i, first, first_row, row0, lo_last, BM, qk_layout)
         # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
         # into bytes by the lowering (about 200 extra instructions a tile).
-        for i in range(end - 1):
+        for i in range(n - 1):
             s = (base + i) % STAGES
             s1 = (base + i + 1) % STAGES
             # flush before P is packed: P's FP8 operand live across the branch is split into bytes by the
@@ -172,22 +215,23 @@ def attend(cfg, ring, q_smem, q_coef, q_split, o_smem, m_smem, KS_bh, base, end,
                 m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
                 acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
             p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-            k_scale = _k_scale(cfg, KS_bh, i + 1, col)
+            k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
             mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
             qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
             ds = ring.ds.index(s1).load(col)
-            p, alpha, m_i, l_i = _softmax(cfg, qk, q_coef, q_split, ds, ring.kc.index(s1), k_scale, m_i, l_i,
-                                          i + 1, first_row, row0, NQ, NK, BM, qk_layout)
+            p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds,
+                                          ring.kc.index(s1), k_scale, m_i, l_i, first + i + 1, first_row, row0,
+                                          lo_last, BM, qk_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(ring.empty.index(s), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        s = (base + end - 1) % STAGES
+        s = (base + n - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
         acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty.index(s), count=1)
-        if end > PV_TILES + 1:  # a flush happened (at tile PV_TILES < end − 1)
+        if n > PV_TILES + 1:  # a flush happened (at tile PV_TILES < n − 1)
             acc = _flushed(o_smem, m_smem, acc, m_i, False, o_layout)
     return acc, l_i, m_i

@@ -25,8 +25,12 @@ def _tool(name: str) -> str:
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int = 3,
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16",
-                 persistent: bool = False, split: bool = False, pv_tiles: int | None = None):
-    """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration."""
+                 persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
+                 window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
+                 block_n: int | None = None, d_pad: int | None = None):
+    """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
+    ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
+    override the tuned tile and padded head dim (to try configurations not shipped, such as head dim 256)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
@@ -34,8 +38,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
 
     from .. import tuning
 
-    d_pad = tuning.padded_head_dim(head_dim)
-    block_n = tuning.hopper_config(head_dim)["BLOCK_N"]
+    d_pad = d_pad or tuning.padded_head_dim(head_dim)
+    block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
 
     def descriptor(type_name, gl_type, shape):
@@ -56,11 +60,12 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         "stride_ob": "i32", "stride_oh": "i32", "stride_on": "i32", "stride_od": "i32",
         "HQ": "i32", "GROUPS": "i32", "NQ": "i32", "NK": "i32", "NK_PAD": "i32", "NUM_TILES": "i32", "NUM_ITEMS": "i32",
         "KC_ROW0": "i32", "score_coef": "fp32", "sm_scale": "fp32",
+        "window": "i32", "chunk": "i32", "SINK": "*fp32", "softcap": "fp32",
     }
     constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
-                  "PV_TILES": pv_tiles}
+                  "PV_TILES": pv_tiles, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks, "SOFTCAP": softcap}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
@@ -133,5 +138,6 @@ if __name__ == "__main__":
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     k = compile_sm90(**args)
     ops = opcode_counts(k)
-    print(json.dumps({**resources(k), "loop_LDL_STL": loop_local_memory(k), **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "MUFU", "LDL", "STL",
-                                                               "SHFL", "I2F", "F2FP", "PRMT") if ops[op]}}))
+    print(json.dumps({**resources(k), "loop_LDL_STL": loop_local_memory(k), "instructions": sum(ops.values()),
+                      **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "MUFU", "LDL", "STL", "SHFL", "I2F",
+                                                "F2FP", "PRMT") if ops[op]}}))

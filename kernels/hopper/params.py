@@ -29,7 +29,9 @@ class Config:
     item, BLOCK_N keys a tile, STAGES stages in the ring. QK_MAX: the INT8 range of Q̂ (127, or 7 for
     qattn-4b). P_LOG2: log2 of P's FP8 scale. PV_TILES: key tiles a P·V wgmma accumulator holds
     (mainloop.py). The switches: CAUSAL, HAS_KV_RANGE (KV_END is given), K_TOKEN_SCALE (δK per token, not
-    per tile), RETURN_LSE, PERSISTENT (scheduler.py), SPLIT (K's split channel)."""
+    per tile), RETURN_LSE, PERSISTENT (scheduler.py), SPLIT (K's split channel), and the attention variants
+    (their sizes are runtime values in Problem): WINDOW (sliding window), CHUNK (chunked attention), SINKS
+    (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores)."""
     HEAD_DIM: gl.constexpr
     D_PAD: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -44,10 +46,14 @@ class Config:
     PERSISTENT: gl.constexpr
     SPLIT: gl.constexpr
     PV_TILES: gl.constexpr
+    WINDOW: gl.constexpr
+    CHUNK: gl.constexpr
+    SINKS: gl.constexpr
+    SOFTCAP: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE,
-                 P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES):
+                 P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.D_PAD = gl.constexpr(D_PAD)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -62,6 +68,10 @@ class Config:
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.SPLIT = gl.constexpr(SPLIT)
         self.PV_TILES = gl.constexpr(PV_TILES)
+        self.WINDOW = gl.constexpr(WINDOW)
+        self.CHUNK = gl.constexpr(CHUNK)
+        self.SINKS = gl.constexpr(SINKS)
+        self.SOFTCAP = gl.constexpr(SOFTCAP)
 
 
 @aggregate
@@ -70,7 +80,9 @@ class Problem:
     smoothing centers), V_SCALE (V's range per channel), KS (δK), SPLIT_CHANNEL (K's split channel per kv
     head); KV_END (per batch, with HAS_KV_RANGE); LSE (with RETURN_LSE). HQ query heads, GROUPS query heads
     per kv head, NQ/NK tokens, NK_PAD keys padded to whole tiles, NUM_TILES key tiles, NUM_ITEMS work
-    items; KC_ROW0: the first kc row in the ΔS buffer. score_coef = sm_scale·log2 e."""
+    items; KC_ROW0: the first kc row in the ΔS buffer. score_coef = sm_scale·log2 e. The variants' sizes (read
+    only under their switch): window W and chunk C in keys, SINK (Hq,) float32 logits in the units of the
+    true scores, softcap c."""
     Q: Value
     Q_BAR: Value
     K_BAR: Value
@@ -99,11 +111,15 @@ class Problem:
     KC_ROW0: Value
     score_coef: Value
     sm_scale: Value
+    window: Value
+    chunk: Value
+    SINK: Value
+    softcap: Value
 
     @gluon.constexpr_function
     def __init__(self, Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                  stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
-                 NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale):
+                 NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap):
         self.Q = _value(Q)
         self.Q_BAR = _value(Q_BAR)
         self.K_BAR = _value(K_BAR)
@@ -132,6 +148,10 @@ class Problem:
         self.KC_ROW0 = _value(KC_ROW0)
         self.score_coef = _value(score_coef)
         self.sm_scale = _value(sm_scale)
+        self.window = _value(window)
+        self.chunk = _value(chunk)
+        self.SINK = _value(SINK)
+        self.softcap = _value(softcap)
 
 
 @aggregate
