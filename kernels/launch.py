@@ -246,6 +246,8 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     if (window or chunk) and not is_causal:
         raise ValueError(f"window and chunk need is_causal=True; got window={window}, chunk={chunk}")
     config = tuning.hopper_config(d)
+    # a window or chunk of Nk keys or more restricts nothing (every p < Nk): off, and the kernel's ints stay 32-bit
+    window, chunk = (size if 0 < size < nk else 0 for size in (window, chunk))
     persistent = config["PERSISTENT"] if persistent is None else persistent
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     k_layout, vt_layout, ds_layout = _hopper_layouts(block_n, d_pad)
