@@ -22,7 +22,12 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
     O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
-query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i). With one
+query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i); ``WINDOW`` keys
+at or before p − window, ``CHUNK`` keys outside p's chunk (whole tiles before the first visible key are
+skipped). Variants (constexpr switches, nothing when off): ``SOFTCAP`` caps the true score, so the row's
+dropped sm_scale·q·k̄ (from k̄, ``K_BAR``) is added back before c·tanh(s / c); ``HAS_SINKS`` adds one logit
+per query head to the final denominator (compared with the smoothed scores: minus that same term unless
+capped), and V's center then comes back weighted by l / l′. With one
 split the program normalizes and writes O + v̄; with several (``SPLIT``) it writes (acc, m, l), and
 the last split program of each (query chunk, batch·kv-head) to finish merges the splits by their
 log-sum-exp (an atomic arrival counter per tile, reset by that program): one launch per step.
@@ -119,10 +124,14 @@ def _load_tile(ptrs, n_ok, col_ok, other, MASK_N: tl.constexpr, EVEN: tl.constex
 
 @triton.jit
 def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-                 stride_kn, stride_vn, score_coef,
+                 stride_kn, stride_vn, score_coef, shift, softcap2, window, chunk_size,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``."""
+                 CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
+                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
+    SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
+    as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
+    of it / in its chunk of ``chunk_size``."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
@@ -151,12 +160,19 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
         k_scale = tl.load(KS + s_base + offs_n)
         v_scale = tl.load(VS + s_base + offs_n)
     s = qk * (k_scale * score_coef)[None, :]
-    if MASK_N or HAS_KV_RANGE or CAUSAL:
+    if SOFTCAP:  # tanh(t) = 1 − 2 / (exp(2t) + 1), saturating to ±1 (no tanh in the interpreter's math)
+        t = (s + shift[:, None]) / softcap2
+        s = softcap2 * (1.0 - 2.0 / (tl.math.exp2(t * 2.885390081777927) + 1.0))
+    if MASK_N or HAS_KV_RANGE or CAUSAL or WINDOW or CHUNK:
         visible = n_ok[None, :]
         if HAS_KV_RANGE:
             visible = visible & (offs_n >= kv_lo)[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= (diag + qi)[:, None])
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > (diag + qi - window)[:, None])
+        if CHUNK:
+            visible = visible & ((offs_n[None, :] // chunk_size) == ((diag + qi) // chunk_size)[:, None])
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -175,19 +191,29 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     return acc, m_new, l_i
 
 
+@triton.jit
+def _with_sink(acc, m, l, seen, sink2, v_bar):
+    """O + v̄·l / l′ from the (merged) accumulators with a sink: exp2(sink − m) joins the denominator
+    (l′ = l + it), so the weights sum to l / l′ and V's center comes back in that share. Rows that saw no
+    key give zeros, as without a sink."""
+    denom = tl.where(seen, l, 1.0) + tl.where(seen, tl.math.exp2(sink2 - tl.where(seen, m, 0.0)), 0.0)
+    return tl.where(seen[:, None], (acc + l[:, None] * v_bar[None, :]) / denom[:, None], 0.0)
+
+
 @triton.jit(do_not_specialize=["NK", "SPLIT_LEN", "NUM_SPLITS"])
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN,
+    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_on, stride_oh, stride_od,
-    HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef,
+    HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef, softcap2, window, chunk_size,
     GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    DEVICE_LEN: tl.constexpr,
+    DEVICE_LEN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
         NK = tl.minimum(tl.load(LEN), NK)
@@ -219,6 +245,25 @@ def decode_kernel(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
 
+    # --- the row's dropped term sm_scale·q·k̄ (base 2): soft-capping needs the true score, and a sink is
+    # compared with the smoothed scores, which lack it
+    shift = tl.zeros([BLOCK_M], tl.float32)
+    if SOFTCAP or HAS_SINKS:
+        if INT4:
+            kb_lo = tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
+            kb_hi = tl.load(K_BAR + bh * HEAD_DIM + c + HALF, mask=(c + HALF) < HEAD_DIM, other=0.0)
+            shift = (tl.sum(q_lo.to(tl.float32) * kb_lo[None, :], axis=1)
+                     + tl.sum(q_hi.to(tl.float32) * kb_hi[None, :], axis=1))
+        else:
+            kb = tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
+            shift = tl.sum(q.to(tl.float32) * kb[None, :], axis=1)
+        shift = shift * score_coef
+    sink2 = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # in the units of the kernel's scores: base 2, smoothed unless capped
+        sink2 = tl.load(SINKS + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        if not SOFTCAP:
+            sink2 = sink2 - shift
+
     # --- this split's keys: [lo, hi) ∩ [kv_lo, kv_hi) ∩ causal
     kv_lo = 0
     kv_hi = NK
@@ -231,7 +276,12 @@ def decode_kernel(
     if CAUSAL:
         last_q = tl.minimum(chunk * QT + QT, NQ) - 1
         hi = tl.minimum(hi, diag + last_q + 1)
-    lo = tl.maximum(lo, kv_lo // BLOCK_N * BLOCK_N)
+    first_key = kv_lo  # no key before it is visible to any query of the program
+    if WINDOW:
+        first_key = tl.maximum(first_key, diag + chunk * QT - window + 1)
+    if CHUNK:
+        first_key = tl.maximum(first_key, tl.maximum(diag + chunk * QT, 0) // chunk_size * chunk_size)
+    lo = tl.maximum(lo, tl.maximum(first_key, 0) // BLOCK_N * BLOCK_N)
     # whole tiles first (no bound mask: wide loads), then at most one partial tile
     hi_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
 
@@ -243,12 +293,14 @@ def decode_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                     s_base, v_base, stride_kn, stride_vn, score_coef,
-                                     HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, False, INTERPRET)
+                                     s_base, v_base, stride_kn, stride_vn, score_coef, shift, softcap2, window,
+                                     chunk_size, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, False,
+                                     INTERPRET, SOFTCAP, WINDOW, CHUNK)
     for start in range(hi_full, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                     s_base, v_base, stride_kn, stride_vn, score_coef,
-                                     HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True, INTERPRET)
+                                     s_base, v_base, stride_kn, stride_vn, score_coef, shift, softcap2, window,
+                                     chunk_size, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True,
+                                     INTERPRET, SOFTCAP, WINDOW, CHUNK)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
@@ -280,11 +332,17 @@ def decode_kernel(
                 o_run = o_run * a_run[:, None] + o_t * a_t[:, None]
                 m_run = m_new
             seen = l_run != 0.0  # NaN (non-finite input) stays NaN
-            out = tl.where(seen[:, None], o_run / tl.where(seen, l_run, 1.0)[:, None] + v_bar[None, :], 0.0)
+            if HAS_SINKS:
+                out = _with_sink(o_run, m_run, l_run, seen, sink2, v_bar)
+            else:
+                out = tl.where(seen[:, None], o_run / tl.where(seen, l_run, 1.0)[:, None] + v_bar[None, :], 0.0)
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         seen = l_i != 0.0  # 0 only for rows that saw no key; NaN (non-finite input) stays NaN
-        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :], 0.0)
+        if HAS_SINKS:
+            out = _with_sink(acc, m_i, l_i, seen, sink2, v_bar)
+        else:
+            out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :], 0.0)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

@@ -115,7 +115,8 @@ def _workspace(device: torch.device, rows: int, d_pad: int, tiles: int):
 
 def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | None = None, causal: bool = True,
            kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
-           length: torch.Tensor | None = None,
+           length: torch.Tensor | None = None, window: int | None = None, chunk: int | None = None,
+           sinks: torch.Tensor | None = None, softcap: float | None = None, k_bar: torch.Tensor | None = None,
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, waves: float | None = None,
            maxnreg: int | None = None) -> torch.Tensor:
@@ -126,6 +127,11 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     ``length``: a one-element int32 tensor on the device holding the cached token count (≤ ``nk``, which
     is then the capacity the launch is planned for): the kernel reads it, so a captured CUDA graph
     replays correctly as the cache grows.
+    ``window`` / ``chunk``: the query at position p (slot = position, queries aligned bottom-right) sees
+    keys p − window < j ≤ p / keys of its chunk, j // chunk == p // chunk. ``sinks`` (Hq,): one logit per
+    query head in the softmax denominator (natural log, units of sm_scale·q·k). ``softcap``: scores
+    c·tanh(s / c). Sinks and soft-capping need the stored K's center ``k_bar`` (B, Hk, D) fp32: the kernel
+    drops q·k̄ from every score (the softmax ignores a per-row constant), which they must not.
     No host synchronization, no allocation but ``out`` when it is not given; one kernel launch (with
     several splits, the last split program to finish merges them).
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
@@ -143,6 +149,10 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     interp = tuning.interpreting()
     d_pad = tuning.padded_head_dim(d)
     cfg = plan_launch(b, hk, groups, nq, nk, q.device, block_n=block_n, num_splits=num_splits, waves=waves)
+    if (sinks is not None or softcap is not None) and k_bar is None:
+        raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     has_range = kv_start is not None or kv_end is not None
     if has_range:
         kv_start = (torch.zeros(b, device=q.device, dtype=torch.int32) if kv_start is None
@@ -162,11 +172,14 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     extra.update(tuning.register_cap(maxnreg))
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
+        k_bar if (sinks is not None or softcap is not None) else None, sinks,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),
         hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
+        1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1,
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range, SPLIT=split,
-        INTERPRET=interp, DEVICE_LEN=length is not None,
+        INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None,
         num_warps=settings["num_warps"] if num_warps is None else num_warps, **extra,
     )
     return out

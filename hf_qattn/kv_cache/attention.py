@@ -175,9 +175,6 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
             positions = torch.arange(first, seen, device=query.device)
     else:
         nk = min(int(pattern.kv_len), store.length)
-    variants = window is not None or chunk is not None or sinks is not None or softcap is not None
-    if reason is None and variants:
-        reason = "attention variants in the decode kernel (window, chunk, sinks, soft-capping): not yet"
     if reason is None and _kernels_available(query.device):
         from ..kernels import decode_launch
 
@@ -189,7 +186,8 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
             return decode_launch.decode(query, store.kq, store.ks, store.vq, store.vs, store.v_bar,
                                         store.capacity if by_device else nk, int4=store.precision == "int4",
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
-                                        kv_end=kv_end, length=store.device_length if by_device else None)
+                                        kv_end=kv_end, length=store.device_length if by_device else None,
+                                        window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar)
     if reason is not None:
         stats.record_degraded(reason, "reference (the cache's math in PyTorch)")
     stats.record_call("reference")

@@ -388,10 +388,15 @@ class QAttnWindowLayer(QAttnLayer):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         seen = max(0, self._seen + tokens_to_remove)
-        if self._seen - self._length > self._keep_from(seen):
+        first = self._seen - self._length
+        # the query at position ``seen`` (the next token) sees keys from here on
+        needed = max(seen - self.span + 1, 0) if self.kind == "sliding_attention" else seen // self.span * self.span
+        if first > needed:
             raise QAttnCacheError(f"cannot crop this {self.kind} cache layer back to {seen} tokens: positions its "
-                                  f"next query sees were dropped already (it holds {self._seen - self._length} on)")
-        self._seen, self._length = seen, seen - self._keep_from(seen)
+                                  f"next query sees were dropped already (it holds {first} on)")
+        self._seen, self._length = seen, max(seen - max(first, self._keep_from(seen)), 0)
+        if seen == 0:
+            self.reset()
 
     def held_positions(self) -> tuple[int, int]:
         """[keep_from, seen): the positions the layer holds; the token at p is in slot p mod span."""

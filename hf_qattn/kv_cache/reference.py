@@ -80,8 +80,8 @@ def decode_attention(q, kq, ks, vq, vs, v_bar, nk: int, *, precision: str, sm_sc
     sits at position P − Nq + 1 + i, P the newest key's (bottom-right alignment, as is_causal). Causal
     (several queries), ``window`` (keys p − W < j ≤ p) and ``chunk`` (j // C == p // C) compare
     positions; ``kv_start`` / ``kv_end`` (B,) select slots. ``sinks`` (Hq,): one more logit per query
-    head in the denominator, no value. ``softcap``: scores c·tanh(s / c) of the true score, which
-    needs ``k_bar`` (B, Hk, D) (the stored K is K − k̄). Rows that see no key give zeros (as the kernel).
+    head in the denominator, no value. ``softcap``: scores c·tanh(s / c). Both need the true scores, so
+    ``k_bar`` (B, Hk, D) (the stored K is K − k̄; without them q·k̄ shifts a row, which the softmax ignores). Rows that see no key give zeros (as the kernel).
     """
     b, hq, nq, d = q.shape
     hk = kq.shape[1]
@@ -89,9 +89,9 @@ def decode_attention(q, kq, ks, vq, vs, v_bar, nk: int, *, precision: str, sm_sc
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     k = dequantize_k(kq[:, :, :nk], ks[:, :, :nk], d, precision, dtype)
     v = dequantize_v(vq[:, :, :nk], vs[:, :, :nk], dtype)
-    if softcap is not None:
+    if softcap is not None or sinks is not None:  # the true scores: capped, or compared with a sink
         if k_bar is None:
-            raise ValueError("softcap needs k_bar: the capped score is that of K, not of the stored K − k̄")
+            raise ValueError("softcap and sinks need k_bar: their scores are those of K, not of the stored K − k̄")
         k = k + k_bar.to(dtype)[:, :, None, :]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

@@ -1,0 +1,405 @@
+"""Issue 27 in the quantized KV cache: sliding-window and chunked cache layers, and the decode kernel's
+window / chunk / sinks / soft-cap rules.
+
+- the decode kernel (Triton, under TRITON_INTERPRET=1 on the CPU) against the float64 attention over the very
+  same quantized storage (``kv_cache.reference.decode_attention``), and that reference against exact float64
+  attention (``hf_qattn.reference.exact_attention``) over the dequantized K/V; mutated kernels (the sink's v̄
+  share, or the soft-cap's q·k̄ term, dropped) must fail the first check;
+- :class:`QAttnWindowLayer` fed random tokens: what it holds, its storage bound and bytes, transformers'
+  mask sizes and sequence length, chunk resets (a step that straddles a boundary too), crop;
+- tiny sliding-window / gpt-oss-like (sinks) / Gemma-2-like (soft-cap) / Llama-4-like (chunked) models
+  generating with QAttnCache against transformers' DynamicCache with eager attention.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import inspect
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+triton = pytest.importorskip("triton")
+
+import hf_qattn  # noqa: E402
+from hf_qattn import reference  # noqa: E402
+from hf_qattn.kernels import decode, decode_launch, tuning  # noqa: E402
+from hf_qattn.kv_cache import attention as kv_attention  # noqa: E402
+from hf_qattn.kv_cache import cache as qcache  # noqa: E402
+from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+from hf_qattn.masks import MaskPattern  # noqa: E402
+
+if not (torch.cuda.is_available() or tuning.interpreting()):
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def mismatch(out, ref) -> str | None:
+    """Why the kernel's output is not the float64 result over the same storage (test_decode's yardstick)."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return "non-finite output"
+    tol = (3e-3 + 2 * torch.finfo(torch.bfloat16).eps) * ref.abs().max().clamp_min(1e-6)
+    diff = (out - ref).abs().max()
+    return f"max |kernel − reference| = {diff:.4g} > {tol:.4g}" if diff > tol else None
+
+
+def storage(k, v, precision):
+    k_bar, v_bar = kv_reference.centers(k, v)
+    kq, ks, vq, vs = kv_reference.quantize_tokens(k, v, k_bar, v_bar, precision)
+    return dict(kq=kq, ks=ks, vq=vq, vs=vs, k_bar=k_bar, v_bar=v_bar)
+
+
+def shifted_kv(b, hk, n, d):
+    """K with a large common offset (so q·k̄ is far from 0: dropping it is visible), V with a milder one."""
+    k = torch.randn(b, hk, n, d) + 3.0 * torch.randn(1, hk, 1, d)
+    v = torch.randn(b, hk, n, d) + 1.0 * torch.randn(1, hk, 1, d)
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+# (nq, nk, window, chunk, sinks, softcap, splits, precision): nk never a multiple of the 16-token tile
+KERNEL_CASES = [
+    (1, 45, None, None, True, None, 1, "int8"),
+    (1, 45, None, None, True, None, 3, "int4"),
+    (1, 45, None, None, False, 4.0, 2, "int8"),
+    (1, 45, None, None, False, 2.0, 1, "int4"),
+    (3, 45, 7, None, False, None, 2, "int8"),
+    (1, 45, 20, None, True, None, 2, "int8"),
+    (5, 45, None, 16, True, 3.0, 2, "int8"),
+    (4, 50, 12, 16, False, 5.0, 3, "int4"),
+]
+
+
+@pytest.mark.parametrize("nq,nk,window,chunk,sinks,softcap,splits,precision", KERNEL_CASES)
+def test_decode_kernel_variants_match_float64(seed, nq, nk, window, chunk, sinks, softcap, splits, precision):
+    b, hq, hk, d = 2, 4, 2, 32
+    k, v = shifted_kv(b, hk, nk, d)
+    st = storage(k, v, precision)
+    q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=torch.float16)
+    sink = (torch.randn(hq, device=DEVICE) * 2 + 1).to(torch.bfloat16) if sinks else None
+    rules = dict(window=window, chunk=chunk, sinks=sink, softcap=softcap)
+    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=precision == "int4",
+                               k_bar=st["k_bar"], num_splits=splits, block_n=16, **rules)
+    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk,
+                                        precision=precision, k_bar=st["k_bar"], **rules)
+    assert mismatch(out, ref) is None, mismatch(out, ref)
+    # the reference itself against exact attention over the dequantized K, V (centers added back)
+    k_hat = kv_reference.dequantize_k(st["kq"], st["ks"], d, precision, torch.float64) + st["k_bar"][:, :, None]
+    v_hat = kv_reference.dequantize_v(st["vq"], st["vs"], torch.float64) + st["v_bar"][:, :, None]
+    exact = reference.exact_attention(q, k_hat, v_hat, is_causal=True, **rules).transpose(1, 2)
+    assert (ref.double() - exact).abs().max() <= 1e-3 * exact.abs().max()
+    # and the storage's quantization error against exact attention over the original K, V
+    assert cosine(out, reference.exact_attention(q, k, v, is_causal=True, **rules).transpose(1, 2)) >= 0.999
+
+
+def test_decode_kernel_variants_cost_nothing_when_off(seed):
+    """No variant given: the same bytes out as before the variants existed (the reference without them)."""
+    k, v = shifted_kv(1, 2, 37, 32)
+    st = storage(k, v, "int8")
+    q = torch.randn(1, 4, 1, 32, device=DEVICE, dtype=torch.float16)
+    plain = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False)
+    with_bar = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False,
+                                    k_bar=st["k_bar"])
+    assert torch.equal(plain, with_bar)
+    with pytest.raises(ValueError, match="k_bar"):
+        decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False, softcap=5.0)
+
+
+def _mutant(tmp_path, old, new):
+    source = inspect.getsource(decode)
+    assert source.count(old) == 1, old
+    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
+    path = tmp_path / f"decode_variant_mutant_{abs(hash(new))}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+MUTATIONS = {
+    "sink: v̄ weighted 1, not l / l′": ("(acc + l[:, None] * v_bar[None, :]) / denom[:, None]",
+                                        "acc / denom[:, None] + v_bar[None, :]", dict(sinks=True)),
+    "sink compared with the smoothed scores": ("sink2 = sink2 - shift", "sink2 = sink2 - 0.0", dict(sinks=True)),
+    "soft-cap of the smoothed score": ("t = (s + shift[:, None]) / softcap2", "t = s / softcap2",
+                                       dict(softcap=2.0)),
+    "window one key too wide": ("(diag + qi - window)[:, None]", "(diag + qi - window - 1)[:, None]",
+                                dict(window=7)),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_variant_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
+    old, new, rules = MUTATIONS[name]
+    k, v = shifted_kv(1, 2, 45, 32)
+    st = storage(k, v, "int8")
+    q = torch.randn(1, 4, 3, 32, device=DEVICE, dtype=torch.float16)
+    if rules.get("sinks"):
+        rules = dict(rules, sinks=torch.full((4,), 2.0, device=DEVICE))
+
+    def run():
+        out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45, int4=False,
+                                   k_bar=st["k_bar"], num_splits=2, block_n=16, **rules)
+        ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
+                                            precision="int8", k_bar=st["k_bar"], **rules)
+        return mismatch(out, ref)
+
+    assert run() is None
+    monkeypatch.setattr(decode_launch, "decode_kernel", _mutant(tmp_path, old, new).decode_kernel)
+    assert run() is not None, f"the mutant '{name}' passed the check"
+
+
+# ------------------------------------------------------------------------------------------------
+# the window layers, fed random tokens
+
+
+def _feed(layer, steps, hk=2, d=16, b=1):
+    """Update ``layer`` with random K/V of the given step lengths; returns every token's (K, V) and what each
+    update returned."""
+    ks, vs, returned = [], [], []
+    for n in steps:
+        k, v = torch.randn(b, hk, n, d, device=DEVICE), torch.randn(b, hk, n, d, device=DEVICE)
+        returned.append(layer.update(k, v))
+        ks.append(k)
+        vs.append(v)
+    return torch.cat(ks, 2), torch.cat(vs, 2), returned
+
+
+def _sliding_reference(kind, span):
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+    return DYNAMIC_LAYER_TYPE_MAPPING[kind](sliding_window=span)
+
+
+@pytest.mark.parametrize("kind,span,steps", [
+    ("sliding_attention", 8, [20] + [1] * 12),      # prompt past the window, decode across the ring's end
+    ("sliding_attention", 21, [5] + [1] * 30),      # span not a whole block, filled one token at a time
+    ("sliding_attention", 8, [3, 1, 1, 4, 1, 9, 1]),  # several-token steps over a filled ring
+    ("chunked_attention", 8, [5] + [1] * 12),       # chunk boundaries crossed by one-token steps
+    ("chunked_attention", 8, [6, 5, 1, 9, 1, 1]),   # steps that straddle a boundary (and one that spans one)
+])
+def test_window_layer_holds_what_the_next_query_sees(seed, kind, span, steps):
+    layer = qcache.QAttnWindowLayer(kind, span, "int8")
+    theirs = _sliding_reference(kind, span)
+    seen = 0
+    for n in steps:
+        k, v = torch.randn(1, 2, n, 16, device=DEVICE), torch.randn(1, 2, n, 16, device=DEVICE)
+        assert layer.get_mask_sizes(n) == theirs.get_mask_sizes(n)
+        held_before = layer.held_positions()[0] if seen else 0
+        got_k, got_v = layer.update(k, v)
+        want_k, want_v = theirs.update(k, v)
+        seen += n
+        first, _ = layer.held_positions()
+        assert layer.get_seq_length() == theirs.get_seq_length() == seen
+        if kv_attention.is_packed(got_k):  # one token: the handle covers the mask's keys
+            assert n == 1 and got_k.shape == want_k.shape
+            got_k, got_v = kv_attention.dequantize(got_k), kv_attention.dequantize(got_v)
+            held_before = first
+        assert got_k.shape == want_k.shape
+        # what the step's queries see comes back (dequantized where it was held, the new tokens as given);
+        # chunked layers give zeros for the earlier chunk's positions, which the chunked mask hides
+        positions = torch.arange(seen - want_k.shape[2], seen)
+        visible = (positions >= held_before) | (positions >= seen - n)
+        assert kind == "chunked_attention" or visible.all()
+        for got, want in ((got_k, want_k), (got_v, want_v)):
+            assert torch.allclose(got[:, :, visible], want[:, :, visible], atol=0.08 * want.abs().max())
+            if kind == "chunked_attention":
+                assert not got[:, :, ~visible].any()
+        # storage: at most the span, rounded up to one whole 16-token block
+        store = layer.storage()
+        assert store.capacity <= qcache._whole_blocks(span) and store.length <= span
+        keep = seen - span if kind == "sliding_attention" else (seen - 1) // span * span
+        assert first == max(keep, 0) and store.length == seen - first
+
+
+def test_one_token_read_of_a_ring_is_windowed_attention(seed):
+    """A one-token step over a wrapped ring (any slot order) against exact windowed attention over the whole
+    history, and with left padding still inside the window (the slots then wrap: the reference serves it,
+    counted) or already out of it (the kernel)."""
+    span, d = 12, 16
+    layer = qcache.QAttnWindowLayer("sliding_attention", span, "int8")
+    k_all, v_all, _ = _feed(layer, [17, 1, 1, 1, 1, 1], d=d, b=2)
+    seen = k_all.shape[2]
+    q = torch.randn(2, 4, 1, d, device=DEVICE)
+    key = kv_attention.PackedKV(layer, "keys")
+    assert key.shape[2] == span
+    out = kv_attention.packed_attention(q, key, MaskPattern(False, span), None)
+    exact = reference.exact_attention(q, k_all, v_all, is_causal=True, window=span).transpose(1, 2)
+    assert cosine(out, exact) >= 0.999
+    hf_qattn.reset_fallback_stats()
+    for pad in (seen - span + 3, seen - span - 1):  # padded positions [0, pad): inside the window, then not
+        kv_start = torch.tensor([0, pad - (seen - span)]).clamp_min(0)
+        with pytest.warns(RuntimeWarning, match="wrapped") if pad > seen - span else _no_warning():
+            out = kv_attention.packed_attention(q, key, MaskPattern(False, span, kv_start=kv_start), None)
+        starts = torch.tensor([0, pad])
+        exact = reference.exact_attention(q, k_all, v_all, is_causal=True, window=span,
+                                          kv_start=starts).transpose(1, 2)
+        assert cosine(out, exact) >= 0.999
+    assert hf_qattn.fallback_stats()["fallbacks"] == {kv_attention.REASON_RING_PADDING: 1}
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
+
+
+def test_one_token_read_of_a_chunk_and_the_variants(seed):
+    """A chunked layer's one-token read with sinks and soft-capping (the kernel), against exact attention."""
+    span, d = 8, 16
+    layer = qcache.QAttnWindowLayer("chunked_attention", span, "int8")
+    k_all, v_all, _ = _feed(layer, [13, 1, 1], d=d)
+    seen = k_all.shape[2]
+    mask_len = min(seen, span)
+    q = torch.randn(1, 4, 1, d, device=DEVICE)
+    sinks = torch.randn(4, device=DEVICE)
+    key = kv_attention.PackedKV(layer, "keys")
+    # the chunked mask hides the earlier chunk's positions at the start of its keys
+    pattern = MaskPattern(False, mask_len, kv_start=torch.tensor([mask_len - (seen - (seen - 1) // span * span)]))
+    out = kv_attention.packed_attention(q, key, pattern, None, chunk=span, sinks=sinks, softcap=3.0)
+    exact = reference.exact_attention(q, k_all, v_all, is_causal=True, chunk=span, sinks=sinks,
+                                      softcap=3.0).transpose(1, 2)
+    assert cosine(out, exact) >= 0.999
+
+
+def test_window_layer_checks_and_crop(seed):
+    with pytest.raises(ValueError, match="kind"):
+        qcache.QAttnWindowLayer("full_attention", 8)
+    with pytest.raises(ValueError, match="span"):
+        qcache.QAttnWindowLayer("sliding_attention", 0)
+    layer = qcache.QAttnWindowLayer("sliding_attention", 8, "int8")
+    _feed(layer, [5, 1])
+    layer.crop(-2)  # nothing dropped yet: as a full layer
+    assert layer.get_seq_length() == 4 and layer.storage().length == 4
+    _feed(layer, [10])  # 14 tokens, [6, 14) held
+    layer.crop(-1)  # the query at 13 sees [6, 13]: still held
+    assert layer.get_seq_length() == 13 and layer.held_positions() == (6, 13)
+    with pytest.raises(kv_attention.QAttnCacheError, match="dropped"):
+        layer.crop(-1)  # the query at 12 would see position 5
+    with pytest.raises(kv_attention.QAttnCacheError, match="static storage"):
+        layer.reserve(64)
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    key = kv_attention.PackedKV(layer, "keys")
+    with pytest.raises(ValueError, match="softcap"):
+        kv_attention.packed_attention(q, key, MaskPattern(False, 8), None, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        kv_attention.packed_attention(q, key, MaskPattern(False, 8), None, sinks=torch.zeros(3))
+    with pytest.raises(kv_attention.QAttnCacheError, match="window of 9"):
+        kv_attention.packed_attention(q, key, MaskPattern(False, 8), None, window=9)
+    chunked = qcache.QAttnWindowLayer("chunked_attention", 8, "int8")
+    _feed(chunked, [11, 1])
+    chunked.crop(-4)  # back to position 8: the chunk starts empty
+    assert chunked.get_seq_length() == 8 and chunked.storage().length == 0
+    with pytest.raises(kv_attention.QAttnCacheError, match="dropped"):
+        chunked.crop(-1)
+
+
+@pytest.mark.parametrize("precision,d,span", [("int8", 128, 1024), ("int8", 64, 128), ("int4", 128, 1024)])
+def test_sliding_layer_bytes(seed, precision, d, span):
+    """Memory target (issue 27): a sliding layer holds at most the window plus one block, at ≤ 0.56× the bytes of
+    a bf16 window (scales and centers included). CPU reference writes (the bytes do not depend on the path)."""
+    layer = qcache.QAttnWindowLayer("sliding_attention", span, precision)
+    layer.update(torch.randn(1, 2, span + 40, d, device=DEVICE), torch.randn(1, 2, span + 40, d, device=DEVICE))
+    bf16_window = 2 * 2 * span * d * 2  # K and V, 2 heads, 2 bytes
+    assert layer.storage().capacity <= span + 16 and layer.storage().length == span
+    assert layer.nbytes() / bf16_window <= 0.56, layer.nbytes() / bf16_window
+
+
+# ------------------------------------------------------------------------------------------------
+# tiny models of the families, generating with QAttnCache against DynamicCache + eager attention
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128)
+WINDOW = 8  # the tiny models' window / chunk: the prompt (20 tokens) and the generation cross it
+
+
+def _tiny_config(kind):
+    tf = transformers
+    if kind == "mistral":  # every layer sliding
+        return tf.MistralConfig(**_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                sliding_window=WINDOW)
+    if kind == "gpt_oss":  # sinks on every layer, sliding and full layers alternating
+        return tf.GptOssConfig(**_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1)
+    if kind == "gemma2":  # soft-capping on every layer, sliding and full layers alternating
+        return tf.Gemma2Config(**_TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                               sliding_window=WINDOW, attn_logit_softcapping=2.0)
+    if kind == "llama4":  # chunked layers (3 of 4) and a full one
+        return tf.Llama4TextConfig(**dict(_TINY, num_hidden_layers=4), num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, attention_chunk_size=WINDOW, num_local_experts=1,
+                                   interleave_moe_layer_step=1, intermediate_size_mlp=128)
+    raise ValueError(kind)
+
+
+def _tiny_pair(kind):
+    """The same random model with attn_implementation="qattn" and "eager" (configs copied: the implementation is
+    set on the config object)."""
+    config = _tiny_config(kind)
+    qattn = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="qattn").eval()
+    for module in qattn.modules():  # learned sinks: random, not the initial zeros
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=1.0)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    eager.load_state_dict(qattn.state_dict())
+    return config, qattn.to(DEVICE), eager.to(DEVICE)
+
+
+def _integration_passes_variants() -> bool:
+    from hf_qattn.integrations.transformers import attention as integration
+
+    return hasattr(integration, "model_variants")
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2", "llama4"])
+def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
+    """Prompt of 20 tokens (> the window / chunk of 8), 10 decode steps: logits cosine ≥ 0.999 to
+    DynamicCache + eager attention at every step; every sliding / chunked layer quantized, its storage within
+    the window plus one block; a chunked layer holds only the current chunk."""
+    config, model, eager = _tiny_pair(kind)
+    keyword = cache_argument(model)
+    cache = hf_qattn.QAttnCache(model)
+    windows = [layer for layer in cache.layers if isinstance(layer, qcache.QAttnWindowLayer)]
+    assert windows and all(isinstance(layer, qcache.QAttnLayer) for layer in cache.layers)
+    theirs = transformers.DynamicCache(config=config)
+    ids = torch.randint(1, 128, (1, 20), device=DEVICE)
+    hf_qattn.reset_fallback_stats()
+    with torch.no_grad():
+        ours_logits = model(ids, use_cache=True, **{keyword: cache}).logits[:, -1]
+        their_logits = eager(ids, use_cache=True, **{keyword: theirs}).logits[:, -1]
+        prefill = hf_qattn.fallback_stats()
+        hf_qattn.reset_fallback_stats()
+        cosines = [cosine(ours_logits, their_logits)]
+        for _ in range(10):
+            token = their_logits.argmax(-1, keepdim=True)
+            ours_logits = model(token, use_cache=True, **{keyword: cache}).logits[:, -1]
+            their_logits = eager(token, use_cache=True, **{keyword: theirs}).logits[:, -1]
+            cosines.append(cosine(ours_logits, their_logits))
+            for layer in windows:
+                store = layer.storage()
+                assert store.length <= layer.span and store.capacity <= qcache._whole_blocks(layer.span)
+                first, seen = layer.held_positions()
+                if layer.kind == "chunked_attention":
+                    assert first == (seen - 1) // layer.span * layer.span
+    decode_stats = hf_qattn.fallback_stats()
+    print(kind, "prefill:", prefill, "decode:", decode_stats, "cosines:", [round(c, 5) for c in cosines])
+    assert min(cosines) >= 0.999, cosines
+    assert cache.get_seq_length() == 30
+    if _integration_passes_variants():  # every decode call read the quantized cache, none fell back
+        assert decode_stats["fallbacks"] == {}, decode_stats
+        served = sum(decode_stats["calls"].get(path, 0) for path in ("triton", "reference"))
+        assert served == 10 * len(cache.layers), decode_stats
