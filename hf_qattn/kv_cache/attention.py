@@ -93,11 +93,10 @@ def is_packed(t) -> bool:
     return isinstance(t, PackedKV)
 
 
-# Calls the decode kernel does not serve, read by its PyTorch reference over the same quantized storage
+# A call the decode kernel does not serve, read by its PyTorch reference over the same quantized storage
 # instead (exact math, slower; counted and warned once like a fallback)
-REASON_RING_PADDING = ("a padded batch over a sliding-window cache ring that has wrapped (its slots are not in "
-                       "position order)")
-REASON_NARROWER_WINDOW = "a window narrower than the cache layer's (the ring holds more than the query sees)"
+REASON_RING_RANGE = ("a key range that wraps around a sliding-window / chunked cache ring (left padding inside the "
+                     "window, or a padded sequence's chunk)")
 
 
 def check_variants(query: torch.Tensor, window, chunk, sinks, softcap) -> None:
@@ -114,18 +113,50 @@ def check_variants(query: torch.Tensor, window, chunk, sinks, softcap) -> None:
         raise ValueError(f"softcap must be None or a finite float > 0; got {softcap!r}")
 
 
-def _window_layer_rule(layer, window, chunk):
-    """The window / chunk a one-token read of a sliding or chunked layer still has to apply (the layer's own
-    rule is its storage), and a reason when only the reference can apply it."""
-    own_window, own_chunk = ((layer.span, None) if layer.kind == "sliding_attention" else (None, layer.span))
-    if chunk is not None and chunk != own_chunk:
-        raise QAttnCacheError(f"this {layer.kind} cache layer (span {layer.span}) holds no chunk of {chunk} tokens")
-    if window is None or window == own_window or (own_window is None and window >= layer.span):
-        return None, None  # the held tokens are exactly what the query sees
-    if own_window is not None and window > own_window:
-        raise QAttnCacheError(f"this sliding-window cache layer holds {layer.span} tokens; the attention asks for a "
+def _ring_read(layer, batch: int, pattern, window, chunk):
+    """How a one-token query reads a sliding / chunked layer's ring: (kv_start, kv_end) slot ranges (None: every
+    held slot), and whether a sequence's range wraps around the ring's end (then only the reference can read it,
+    over the slots in position order, with the ranges returned as offsets from the oldest held position).
+
+    The query's visible positions [lo, hi): what the layer holds, cut by the mask's range (in mask coordinates:
+    the last of ``kv_len`` keys is the newest token), a narrower ``window``, and the chunk — the mask's range
+    where there is one (with left padding, transformers counts chunks from each sequence's first real token),
+    else chunks counted from position 0.
+    """
+    first, seen = layer.held_positions()
+    span, held = layer.span, seen - first
+    if layer.kind == "sliding_attention" and window is not None and window > span:
+        raise QAttnCacheError(f"this sliding-window cache layer holds {span} tokens; the attention asks for a "
                               f"window of {window}")
-    return window, REASON_NARROWER_WINDOW
+    if chunk is not None and (layer.kind != "chunked_attention" or chunk != span):
+        raise QAttnCacheError(f"this {layer.kind} cache layer (span {span}) holds no chunks of {chunk} tokens")
+    lo, hi = first, seen
+    if window is not None:
+        lo = max(lo, seen - window)
+    has_range = pattern.kv_start is not None or pattern.kv_end is not None
+    if layer.kind == "chunked_attention" and not has_range:
+        lo = max(lo, (seen - 1) // span * span)
+    if has_range:
+        offset = seen - int(pattern.kv_len)
+        lo = torch.full((batch,), lo, dtype=torch.int64)
+        hi = torch.full((batch,), hi, dtype=torch.int64)
+        if pattern.kv_start is not None:
+            lo = torch.maximum(lo, pattern.kv_start.detach().to("cpu", torch.int64) + offset)
+        if pattern.kv_end is not None:
+            hi = torch.minimum(hi, pattern.kv_end.detach().to("cpu", torch.int64) + offset)
+        count = (hi - lo).clamp_min(0)
+        if bool((count == held).all()):
+            return None, None, False
+        begin = lo % span
+        if bool((begin + count <= span).all()):
+            return begin, begin + count, False
+        return (lo - first).clamp(0, held), (hi - first).clamp(0, held), True
+    if hi - lo == held:
+        return None, None, False
+    begin = lo % span  # one range for the whole batch; a chunk starts at a multiple of span: no wrap
+    wraps = begin + hi - lo > span
+    start, end = (lo - first, hi - first) if wraps else (begin, begin + hi - lo)
+    return torch.full((batch,), start, dtype=torch.int32), torch.full((batch,), end, dtype=torch.int32), wraps
 
 
 def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,
@@ -138,7 +169,9 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     newest token. ``window``, ``chunk``, ``sinks``, ``softcap`` as in :func:`hf_qattn.qattn` (the query at
     position p sees keys p − W < j ≤ p, or j of p's chunk; one logit per query head in the denominator;
     scores c·tanh(s / c)). A sliding-window or chunked layer (:class:`~hf_qattn.kv_cache.cache.QAttnWindowLayer`)
-    holds just what a one-token query sees, so there its own rule needs no mask.
+    holds the last window / chunk-size tokens as a ring, which a one-token query reads whole (a window) or as a
+    slot range (a chunk, padding: :func:`_ring_read`); only a range that wraps around the ring's end goes to
+    the reference.
     """
     check_variants(query, window, chunk, sinks, softcap)
     layer = key.layer
@@ -147,32 +180,18 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     if query.shape[1] % heads:
         raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {heads} cached heads")
     kv_start, kv_end = pattern.kv_start, pattern.kv_end
-    slots = positions = None  # the reference's gather of the storage, and the positions of what it gathers
+    slots = None  # the reference's gather of the storage (slots in position order), where the kernel cannot read it
     reason = None
     if hasattr(layer, "held_positions"):  # a sliding / chunked layer: one query (several get tensors)
         if query.shape[2] != 1:
             raise QAttnCacheError(f"a {layer.kind} cache layer is read by one-token steps only; got "
                                   f"{query.shape[2]} queries")
-        window, reason = _window_layer_rule(layer, window, chunk)
-        chunk = None
+        kv_start, kv_end, wraps = _ring_read(layer, query.shape[0], pattern, window, chunk)
+        window = chunk = None  # in the ranges now
         nk = store.length
-        first, seen = layer.held_positions()
-        if kv_start is not None or kv_end is not None:  # mask coordinates → positions → slots
-            offset = seen - int(pattern.kv_len)
-            lo = first if kv_start is None else kv_start.to(torch.int64) + offset
-            hi = seen if kv_end is None else kv_end.to(torch.int64) + offset
-            if first % layer.span == 0:  # slots in position order from ``first``
-                kv_start = torch.as_tensor(lo - first).clamp(0, nk).expand(query.shape[0])
-                kv_end = torch.as_tensor(hi - first).clamp(0, nk).expand(query.shape[0])
-            elif bool((torch.as_tensor(lo) <= first).all()) and bool((torch.as_tensor(hi) >= seen).all()):
-                kv_start = kv_end = None  # the padding has left the window
-            else:
-                reason = reason or REASON_RING_PADDING
-                kv_start = torch.as_tensor(lo - first).clamp(0, nk).expand(query.shape[0])
-                kv_end = torch.as_tensor(hi - first).clamp(0, nk).expand(query.shape[0])
-        if reason is not None:
+        if wraps:
+            reason = REASON_RING_RANGE
             slots = layer.chronological_slots()
-            positions = torch.arange(first, seen, device=query.device)
     else:
         nk = min(int(pattern.kv_len), store.length)
     if reason is None and _kernels_available(query.device):
@@ -197,7 +216,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     return reference.decode_attention(query, kq, ks, vq, vs, store.v_bar, nk, precision=store.precision,
                                       sm_scale=scaling, causal=pattern.causal, kv_start=kv_start, kv_end=kv_end,
                                       window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
-                                      key_positions=positions, dtype=torch.float32)
+                                      dtype=torch.float32)
 
 
 def dequantize(t: PackedKV) -> torch.Tensor:

@@ -284,20 +284,22 @@ WINDOW_KINDS = ("sliding_attention", "chunked_attention")
 
 class QAttnWindowLayer(QAttnLayer):
     """A sliding-window or chunked layer of :class:`QAttnCache`: quantized as :class:`QAttnLayer`, holding only
-    the tokens a next query can still see, so its storage never exceeds the span (rounded up to whole blocks).
+    the last ``span`` tokens, so its storage never exceeds the span (rounded up to whole blocks).
 
     ``span`` is the window W (``sliding_attention``: the query at p sees keys p − W < j ≤ p) or the chunk size C
-    (``chunked_attention``: keys of p's chunk, j // C == p // C, j ≤ p). The token at position p lives in slot
-    p mod span: a ring of W slots for a window, the current chunk from slot 0 for chunks (a step that starts a
-    new chunk drops the old one). The held positions are [keep_from, seen), all of them visible to the next
-    one-token query, and attention is the same for any order of its keys, so a one-token step reads every held
-    slot, no position mask (:func:`~hf_qattn.kv_cache.attention.packed_attention`).
+    (``chunked_attention``: keys of p's chunk, j // C == p // C, j ≤ p; with left padding transformers counts
+    chunks from each sequence's first real token). The token at position p lives in slot p mod span, a ring:
+    the held positions are [seen − span, seen). For a window that is exactly what the next one-token query
+    sees, and attention is the same for any order of its keys, so such a step reads every slot without a
+    position mask; a chunk is a suffix of the held positions (which suffix depends on the sequence's padding:
+    the chunk's start is read from the mask, so a chunked layer keeps the last C tokens rather than resetting
+    at a boundary of its own), read as a slot range (:func:`~hf_qattn.kv_cache.attention.packed_attention`).
 
     Toward transformers it behaves as its ``DynamicSlidingWindowLayer`` (which it replaces for both kinds):
     ``get_seq_length`` counts every token seen, ``get_mask_sizes`` gives the window's key count and offset, and a
     step of several tokens over a filled layer gets full-precision K/V of the positions that mask covers — the
-    held tokens dequantized (zeros for positions of an earlier chunk, which the mask hides) and the new ones —
-    since its queries see different windows, which one ring read cannot give them.
+    held tokens dequantized and the new ones — since its queries see different windows, which one ring read
+    cannot give them.
     """
 
     is_sliding = True
@@ -320,10 +322,8 @@ class QAttnWindowLayer(QAttnLayer):
         return self.span
 
     def _keep_from(self, seen: int) -> int:
-        """The first position a query after ``seen`` tokens can see (what the layer holds from)."""
-        if self.kind == "sliding_attention":
-            return max(seen - self.span, 0)
-        return (seen - 1) // self.span * self.span if seen else 0
+        """The first position held after ``seen`` tokens."""
+        return max(seen - self.span, 0)
 
     def _reserve(self, needed: int) -> None:
         super()._reserve(min(needed, self.span))
@@ -363,8 +363,11 @@ class QAttnWindowLayer(QAttnLayer):
         return (torch.cat([old_k, key_states.to(self.dtype)], dim=-2),
                 torch.cat([old_v, value_states.to(self.dtype)], dim=-2))
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # as transformers' DynamicSlidingWindowLayer: the last span − 1 positions and the step's own
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # as transformers' DynamicSlidingWindowLayer: the last span − 1 positions and the step's own (its
+        # argument: the query length, or in some 5.x versions the step's cache_position tensor)
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[-1]
         return min(self._seen, self.span - 1) + query_length, max(self._seen - self.span + 1, 0)
 
     def get_seq_length(self) -> int:
@@ -389,9 +392,7 @@ class QAttnWindowLayer(QAttnLayer):
             raise ValueError("crop takes a negative number of tokens to remove")
         seen = max(0, self._seen + tokens_to_remove)
         first = self._seen - self._length
-        # the query at position ``seen`` (the next token) sees keys from here on
-        needed = max(seen - self.span + 1, 0) if self.kind == "sliding_attention" else seen // self.span * self.span
-        if first > needed:
+        if first > max(seen - self.span + 1, 0):  # the next token's query could see positions from there on
             raise QAttnCacheError(f"cannot crop this {self.kind} cache layer back to {seen} tokens: positions its "
                                   f"next query sees were dropped already (it holds {first} on)")
         self._seen, self._length = seen, max(seen - max(first, self._keep_from(seen)), 0)
