@@ -9,6 +9,10 @@ A query row ``i`` of sequence ``b`` sees key ``j`` when
 
 ``kv_start`` / ``kv_end`` are optional int tensors of shape (batch,); absent means 0 / kv_len. A row
 that sees no key at all produces zeros (and log-sum-exp −inf), as in FlashAttention.
+
+A causal pattern may narrow that further by a sliding ``window`` or a ``chunk`` (qattn's keywords, their
+rule in :func:`hf_qattn.reference.visible_keys`): the analysis takes them as the caller's candidates (what
+the model says its layer does) and keeps them only where the mask needs them, after checking it exactly.
 """
 
 from __future__ import annotations
@@ -50,19 +54,22 @@ def visible_keys(
 
 @dataclass(frozen=True)
 class MaskPattern:
-    """What the kernels need to reproduce a mask: keys [0, kv_len), ``causal``, per-sequence ranges."""
+    """What the kernels need to reproduce a mask: keys [0, kv_len), ``causal``, per-sequence ranges, and on
+    causal patterns a sliding ``window`` or a ``chunk`` where the mask is narrower than causal ∧ range."""
 
     causal: bool
     kv_len: int
     kv_start: torch.Tensor | None = None
     kv_end: torch.Tensor | None = None
+    window: int | None = None
+    chunk: int | None = None
 
     def for_batch(self, batch: int) -> "MaskPattern":
         """The pattern of a batch-1 mask broadcast over ``batch`` sequences."""
         def grow(t):
             return t if t is None or t.shape[0] == batch else t.expand(batch).contiguous()
 
-        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end))
+        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end), self.window, self.chunk)
 
     def keys(self, key: torch.Tensor, value: torch.Tensor, token_dim: int = 2):
         """key and value cut to the first ``kv_len`` tokens (views)."""
@@ -71,11 +78,19 @@ class MaskPattern:
         return key.narrow(token_dim, 0, self.kv_len), value.narrow(token_dim, 0, self.kv_len)
 
     def qattn_options(self) -> dict:
-        return dict(is_causal=self.causal, kv_start=self.kv_start, kv_end=self.kv_end)
+        return dict(is_causal=self.causal, kv_start=self.kv_start, kv_end=self.kv_end, window=self.window,
+                    chunk=self.chunk)
 
 
-def analyse_mask(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int) -> MaskPattern | str:
+def analyse_mask(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int, window: int | None = None,
+                 chunk: int | None = None) -> MaskPattern | str:
     """Express an attention mask as causal ∧ key range (a :class:`MaskPattern`), or say why it is not one.
+
+    ``window`` / ``chunk``: the sliding window or chunk the caller's layer uses (e.g. transformers'
+    ``sliding_window``), or None. A causal pattern then also tries causal ∧ range ∧ that rule, and takes
+    it (the pattern's ``window`` / ``chunk`` set) only where the plain one does not reproduce the mask:
+    a prompt shorter than the window needs none. A mask of another rule (a bidirectional window, chunks
+    that start elsewhere than at key 0) is refused like any other.
 
     ``mask`` broadcasts to (batch, heads, Nq, Nk): bool keeps True; floating point is additive, keeps 0
     and hides values ≤ ``HIDDEN_BELOW``. The pattern is checked against :func:`visible_keys` element
@@ -114,30 +129,45 @@ def analyse_mask(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int) -
     last = torch.where(grid, cols, -1).amax(dim=-1)
     offset = (last - torch.arange(nq, device=mask.device)).masked_fill(last < 0, -nk - nq).max()
     candidates = [(False, max_end), (True, nq + int(offset))]
+    spans = [(None, None)] + ([(window, chunk)] if window is not None or chunk is not None else [])
     for causal, kv_len in candidates:  # non-causal first: with one query row both read the same
         if not max_end <= kv_len <= nk or (causal and nq > kv_len):
             continue
         start = None if bool((kv_start == 0).all()) else kv_start.to(torch.int32)
         end = None if bool((kv_end == kv_len).all()) else kv_end.to(torch.int32)
-        candidate = visible_keys(rows, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
-                                 device=mask.device)[:, 0]
-        if torch.equal(candidate, grid[..., :kv_len]) and not grid[..., kv_len:].any():
-            return MaskPattern(causal, kv_len, start, end)
+        if grid[..., kv_len:].any():
+            continue
+        for rule_window, rule_chunk in spans if causal else spans[:1]:  # plain first: a variant only where needed
+            candidate = _variant_visible_keys(rows, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
+                                              window=rule_window, chunk=rule_chunk, device=mask.device)[:, 0]
+            if torch.equal(candidate, grid[..., :kv_len]):
+                return MaskPattern(causal, kv_len, start, end, rule_window, rule_chunk)
     return REASON_PATTERN
 
 
-def cached_analysis(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int) -> MaskPattern | str:
+def _variant_visible_keys(*args, window=None, chunk=None, **kwargs) -> torch.Tensor:
+    """:func:`visible_keys` with the window / chunk rule, which lives with the kernels' reference (imported
+    here on use: :mod:`hf_qattn.reference` imports this module)."""
+    if window is None and chunk is None:
+        return visible_keys(*args, **kwargs)
+    from .reference import visible_keys as with_variants
+
+    return with_variants(*args, window=window, chunk=chunk, **kwargs)
+
+
+def cached_analysis(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int, window: int | None = None,
+                    chunk: int | None = None) -> MaskPattern | str:
     """:func:`analyse_mask`, remembered on the mask tensor: a model passes the same mask to every layer,
     and the analysis costs device synchronisations. The answer is reused for the same shapes at the
     same version counter (an in-place change is seen); inference-mode tensors keep no version counter
     and are analysed afresh at every call."""
     if mask.is_inference():
-        return analyse_mask(mask, batch, heads, nq, nk)
-    key = (mask._version, batch, heads, nq, nk)
+        return analyse_mask(mask, batch, heads, nq, nk, window, chunk)
+    key = (mask._version, batch, heads, nq, nk, window, chunk)
     cached = getattr(mask, "_qattn_pattern", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    found = analyse_mask(mask, batch, heads, nq, nk)
+    found = analyse_mask(mask, batch, heads, nq, nk, window, chunk)
     try:
         mask._qattn_pattern = (key, found)
     except (AttributeError, RuntimeError):  # tensor subclasses that refuse attributes: analyse again next time

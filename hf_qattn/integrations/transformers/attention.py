@@ -7,18 +7,24 @@ Per call, :func:`qattn_attention_forward`
    no plan every layer runs ``"int8"`` (:data:`hf_qattn.plan.DEFAULT_PRECISION`): the safe choice, as
    accurate as the method gets. A plan precision ``"unquantized"`` runs the model's full-precision
    attention, counted as call path ``"unquantized-by-plan"`` (a choice, not a fallback).
-2. turns the mask (boolean or additive) into what the kernel understands — causal (aligned
-   bottom-right) and a per-sequence key range [kv_start, kv_end) — with the analysis both
-   integrations share (:func:`hf_qattn.masks.cached_analysis`: once per mask tensor, exact or
-   refused). Keys that no query sees (the empty tail of a static cache) are sliced off first.
-3. calls :func:`hf_qattn.qattn` in HND layout, with fewer K/V heads for GQA (no repeat).
+2. reads the attention variant the model hands the call (:func:`model_variants`): a sliding window
+   (the ``sliding_window`` keyword), a chunk (Llama 4's ``chunked_attention`` layers, from the config:
+   no keyword carries it), attention sinks (``s_aux`` / ``sinks``) and soft-capping (``softcap``).
+3. turns the mask (boolean or additive) into what the kernel understands — causal (aligned
+   bottom-right), a per-sequence key range [kv_start, kv_end) and, where the mask needs it, the
+   layer's window or chunk — with the analysis both integrations share
+   (:func:`hf_qattn.masks.cached_analysis`: once per mask tensor, exact or refused). The variant
+   comes from the model; the mask only confirms it. Keys that no query sees (the empty tail of a
+   static cache) are sliced off first.
+4. calls :func:`hf_qattn.qattn` in HND layout, with fewer K/V heads for GQA (no repeat), and the
+   window, chunk, sinks and soft-cap as its keywords.
 
 Anything the kernel cannot serve runs in full precision instead, counted under its reason and
 warned once (:func:`hf_qattn.fallback_stats`); the reasons are the ``REASON_*`` constants (those
 that do not depend on the call's keywords or mask come from :mod:`hf_qattn.support`).
-Soft-capping, attention sinks, sparse indices and ``output_attentions`` run the model's own eager
-attention (SDPA cannot express them), counted as path ``"eager"``; every other fallback runs
-transformers' SDPA path with the model's own mask, counted as ``"sdpa"``.
+A fallback of a call with soft-capping, attention sinks, sparse indices or ``output_attentions``
+runs the model's own eager attention (SDPA cannot express them), counted as path ``"eager"``; every
+other fallback runs transformers' SDPA path with the model's own mask, counted as ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -26,34 +32,43 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import math
+import numbers
 import sys
 import threading
 
 import torch
 
-from ... import api, masks, ops, support
+from ... import api, masks, ops, reference, support
 from ...kv_cache import attention as kv_attention
-from ...masks import MaskPattern, visible_keys
+from ...masks import MaskPattern
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan  # noqa: F401 (re-exported)
 from ...support import (REASON_BATCH, REASON_DROPOUT, REASON_DTYPE, REASON_GRAD,  # noqa: F401  (re-exported)
                        REASON_HEAD_DIM, REASON_HEADS, REASON_VALUE_DIM)
 
 ATTN_IMPLEMENTATION = "qattn"
 
-REASON_SOFTCAP = "attention logit soft-capping (softcap)"
-REASON_SINKS = "attention sinks (s_aux / sinks)"
+REASON_SOFTCAP = "attention logit soft-capping by a value other than a finite number > 0 (softcap)"
+REASON_SINKS = "attention sinks other than one logit per query head (s_aux / sinks of shape (heads,))"
+REASON_WINDOW = "sliding_window or attention_chunk_size other than an int >= 1"
 REASON_SPARSE = "sparse attention indices"
 REASON_OUTPUT_ATTENTIONS = "output_attentions=True (attention weights requested)"
 REASON_POSITION_BIAS = "additive position bias (position_bias)"
 REASON_PAGED_CACHE = "paged KV cache (continuous batching)"
 REASON_MASK_SHAPE = "attention mask of unexpected shape or type"
-REASON_SLIDING_WINDOW = "sliding window attention (window smaller than the sequence)"
+REASON_SLIDING_WINDOW = ("sliding-window or chunked layer whose mask is not causal ∧ window/chunk ∧ key range (a "
+                         "bidirectional window, or chunks that do not start at the call's first key: left padding, a "
+                         "cache offset)")
 REASON_MASK_PATTERN = masks.REASON_PATTERN
 REASON_CAUSAL_SHAPE = "causal attention with more queries than keys"
+# calibration scores plain causal / full attention (hf_qattn.calibration's attention_accuracy): a layer whose
+# call uses a variant is skipped, not scored as attention it does not run
+REASON_CALIBRATION_VARIANT = "calibration does not score attention variants (window, chunk, sinks, soft-capping) yet"
 
-# Keyword arguments whose math SDPA (and the kernel) cannot express: the model's eager path serves them.
-_EAGER_ONLY = {"softcap": REASON_SOFTCAP, "s_aux": REASON_SINKS, "sinks": REASON_SINKS,
-               "indices": REASON_SPARSE, "block_indices": REASON_SPARSE}
+# Keyword arguments whose math SDPA cannot express: a full-precision fallback runs the model's eager attention.
+_EAGER_ONLY = ("softcap", "s_aux", "sinks", "indices", "block_indices")
+# Llama 4's chunked layers: the config names them (no keyword of the call carries the chunk size).
+_CHUNKED_LAYER = "chunked_attention"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,6 +147,83 @@ def layer_settings(module) -> tuple[str, bool | None]:
 
 
 # ------------------------------------------------------------------------------------------------
+# attention variants
+
+
+def _span(value) -> int | None | str:
+    """A window / chunk size as qattn takes it (an int ≥ 1, or None), else the reason it is not one."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        return REASON_WINDOW
+    return int(value)
+
+
+def _layer_chunk(module) -> int | None | str:
+    """The chunk size of a ``chunked_attention`` layer (Llama 4: ``config.layer_types[layer]`` and
+    ``config.attention_chunk_size``), else None."""
+    config = _module_config(module)
+    layer_types = getattr(config, "layer_types", None) if config is not None else None
+    layer = layer_index(module)
+    if not isinstance(layer_types, (list, tuple)) or layer is None or not 0 <= layer < len(layer_types):
+        return None
+    if layer_types[layer] != _CHUNKED_LAYER:
+        return None
+    return _span(getattr(config, "attention_chunk_size", None))
+
+
+def model_variants(module, query, kwargs) -> tuple[dict, str | None]:
+    """({window, chunk, sinks, softcap}, None): the attention variant the model hands this call, as
+    :func:`hf_qattn.qattn`'s keywords (None where unused), or ({}, reason) when the kernel cannot take it.
+
+    The one place that reads them:
+
+    - ``window``: the call's ``sliding_window`` keyword (Mistral, Gemma 2/3, Cohere2, gpt-oss, ...). Its
+      meaning is the mask's (``sliding_window_overlay``: key j seen from position p when j > p − W),
+      which is qattn's, in transformers 5.17 and 5.24 alike;
+    - ``chunk``: ``config.attention_chunk_size`` on the layers ``config.layer_types`` calls
+      ``"chunked_attention"`` (Llama 4; the call carries no keyword for it);
+    - ``sinks``: ``s_aux`` (gpt-oss) or ``sinks``, one logit per query head;
+    - ``softcap``: the ``softcap`` keyword (Gemma 2).
+
+    ``window`` and ``chunk`` are candidates: :func:`resolve_pattern` checks them against the mask and
+    keeps them where the mask needs them. ``sinks`` and ``softcap`` change scores, not which keys are
+    seen, and pass as they are. Reads shapes and plain values only (the same under torch.compile).
+    """
+    window = _span(kwargs.get("sliding_window"))
+    chunk = _layer_chunk(module)
+    for span in (window, chunk):
+        if isinstance(span, str):
+            return {}, span
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None:
+        heads = query.shape[1]
+        if (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.numel() != heads
+                or sum(size != 1 for size in sinks.shape) > 1):  # (H,), (1, H, 1, 1), ...: one logit per head
+            return {}, REASON_SINKS
+        sinks = sinks.reshape(heads).to(query.device)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
+                or softcap <= 0):
+            return {}, REASON_SOFTCAP
+        softcap = float(softcap)
+    return dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap), None
+
+
+def _uses_variants(pattern: MaskPattern, variants: dict) -> bool:
+    return (pattern.window is not None or pattern.chunk is not None or variants.get("sinks") is not None
+            or variants.get("softcap") is not None)
+
+
+def _score_options(variants: dict) -> dict:
+    """The variants that change scores (sinks, soft-cap), as qattn's keywords."""
+    return dict(sinks=variants["sinks"], softcap=variants["softcap"])
+
+
+# ------------------------------------------------------------------------------------------------
 # masks
 
 
@@ -149,30 +241,46 @@ def causal_call(module, is_causal: bool | None, num_queries: int) -> bool:
     return bool(flag) and num_queries > 1
 
 
-def resolve_pattern(module, query, key, attention_mask, is_causal, kwargs) -> tuple[MaskPattern | None, str | None]:
-    """(pattern, None) when the kernel reproduces the call's masking exactly, else (None, reason)."""
+def _biting(causal: bool, kv_len: int, window: int | None, chunk: int | None) -> tuple[dict, str | None]:
+    """(the window / chunk a mask-free call must apply, None), or ({}, reason): a span narrows a causal call
+    only when keys reach past it; over a non-causal call (a bidirectional window) the kernel has no rule."""
+    spans = {name: span for name, span in (("window", window), ("chunk", chunk)) if span is not None and kv_len > span}
+    if spans and not causal:
+        return {}, REASON_SLIDING_WINDOW
+    return spans, None
+
+
+def resolve_pattern(module, query, key, attention_mask, is_causal,
+                    variants: dict) -> tuple[MaskPattern | None, str | None]:
+    """(pattern, None) when the kernel reproduces the call's masking exactly, else (None, reason).
+
+    ``variants``: :func:`model_variants`' answer; its ``window`` / ``chunk`` join the pattern where the
+    mask needs them. Without a mask the flags decide, and the model's window or chunk applies as it
+    does under FlashAttention (transformers builds a mask whenever the keys reach past them)."""
     batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    window, chunk = variants.get("window"), variants.get("chunk")
     if attention_mask is None:
         # SDPA's rule without a mask: causal only for several queries, aligned top-left; keys past
         # the queries then only occur as the empty slots of a static cache at prefill: drop them.
         causal = causal_call(module, is_causal, nq)
         if causal and nq > nk:
             return None, REASON_CAUSAL_SHAPE
-        return MaskPattern(causal, nq if causal else nk), None
+        kv_len = nq if causal else nk
+        spans, reason = _biting(causal, kv_len, window, chunk)
+        return (None, reason) if reason is not None else (MaskPattern(causal, kv_len, **spans), None)
     if not isinstance(attention_mask, torch.Tensor):
         return None, REASON_MASK_SHAPE
-    found = masks.cached_analysis(attention_mask, batch, query.shape[1], nq, nk)
+    found = masks.cached_analysis(attention_mask, batch, query.shape[1], nq, nk, window, chunk)
     if isinstance(found, str):
-        window = kwargs.get("sliding_window")
-        return None, (REASON_SLIDING_WINDOW if window is not None and found == REASON_MASK_PATTERN else found)
+        spanned = window is not None or chunk is not None
+        return None, (REASON_SLIDING_WINDOW if spanned and found == REASON_MASK_PATTERN else found)
     return found.for_batch(batch), None
 
 
 def _unsupported(query, key, value, dropout, kwargs) -> str | None:
     """Why the kernel cannot serve this call whatever its mask, or None."""
-    for name, reason in _EAGER_ONLY.items():
-        if kwargs.get(name) is not None:
-            return reason
+    if kwargs.get("indices") is not None or kwargs.get("block_indices") is not None:
+        return REASON_SPARSE
     if kwargs.get("output_attentions"):
         return REASON_OUTPUT_ATTENTIONS
     if kwargs.get("position_bias") is not None:
@@ -182,12 +290,29 @@ def _unsupported(query, key, value, dropout, kwargs) -> str | None:
     return support.call_gap(query, key, value, dropout=dropout)
 
 
-def kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
-    """(pattern, None) when the kernel can serve this call exactly, else (None, the reason it cannot)."""
+def call_variants(module, query, key, value, dropout, kwargs) -> tuple[dict, str | None]:
+    """(variants, None) when only the mask can still keep the kernel from this call — ``variants`` as
+    :func:`model_variants` reads them — else ({}, the reason it cannot serve the call)."""
     reason = _unsupported(query, key, value, dropout, kwargs)
     if reason is not None:
-        return None, reason
-    return resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+        return {}, reason
+    variants, reason = model_variants(module, query, kwargs)
+    if reason is not None:
+        return {}, reason
+    if support.needs_grad(query, key, value, variants["sinks"]):  # learned sinks still training
+        return {}, support.REASON_GRAD
+    return variants, None
+
+
+def kernel_call(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
+    """(pattern, variants, None) when the kernel can serve this call exactly, else (None, {}, the reason it
+    cannot): the pattern carries the window / chunk the mask needs, ``variants`` the sinks and soft-cap."""
+    variants, reason = call_variants(module, query, key, value, dropout, kwargs)
+    if reason is None:
+        pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, variants)
+        if reason is None:
+            return pattern, variants, None
+    return None, {}, reason
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,8 +346,9 @@ def _plain_eager(module, query, key, value, attention_mask, dropout=0.0, scaling
     if attention_mask is not None:
         scores = scores + attention_mask[..., : key.shape[-2]]
     sink = s_aux if s_aux is not None else sinks
-    if sink is not None:  # one extra logit per head that takes probability mass and no value
-        sink_col = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    if sink is not None:  # one extra logit per head (or per head and query row) that takes mass and no value
+        sink = sink.to(scores.dtype)
+        sink_col = (sink.view(1, -1, 1, 1) if sink.dim() == 1 else sink).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
@@ -235,7 +361,8 @@ def _model_eager(module):
 
 
 def full_precision_path(kwargs) -> str:
-    """Which full-precision path a call takes: ``"eager"`` where SDPA cannot express it, else ``"sdpa"``."""
+    """Which full-precision path a call takes: ``"eager"`` where SDPA cannot express it (sinks, soft-capping,
+    sparse indices, returned weights), else ``"sdpa"``."""
     if kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _EAGER_ONLY):
         return support.EAGER
     return support.SDPA
@@ -282,16 +409,21 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         return _compiled_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, is_causal=is_causal, **kwargs)
     if kv_attention.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
-        pattern, reason = kv_attention.step_pattern(query, key, lambda: kernel_pattern(
-            module, query, key, value, attention_mask, dropout, is_causal, kwargs))
+        variants, reason = call_variants(module, query, key, value, dropout, kwargs)
         if reason is None:
-            return kv_attention.packed_attention(query, key, pattern, scaling), None
+            pattern, reason = kv_attention.step_pattern(query, key, lambda: resolve_pattern(
+                module, query, key, attention_mask, is_causal, variants))
+        if reason is None:
+            return kv_attention.packed_attention(query, key, pattern, scaling, window=pattern.window,
+                                                 chunk=pattern.chunk, **_score_options(variants)), None
         key, value = kv_attention.dequantize(key), kv_attention.dequantize(value)  # the paths below serve the rest
     observer = _calibrator.get()
     if observer is not None:
         out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                        is_causal=is_causal, **kwargs)
-        pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+        pattern, variants, reason = kernel_call(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+        if reason is None and _uses_variants(pattern, variants):
+            reason = REASON_CALIBRATION_VARIANT
         if reason is None:
             observer.observe(module, query, key, value, pattern, scaling)
         else:
@@ -303,25 +435,27 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         ops.record(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    pattern, reason = kernel_pattern(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+    pattern, variants, reason = kernel_call(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
     if reason is not None:
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    return _quantized(query, key, value, pattern, precision, scaling, split).transpose(1, 2).contiguous(), None
+    out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
+    return out.transpose(1, 2).contiguous(), None
 
 
-def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling, split_channel: bool | None):
-    """qattn on (B, H, N, D) tensors under a mask pattern: keys [0, kv_len), causal, per-sequence range."""
+def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling, split_channel: bool | None,
+               scores: dict):
+    """qattn on (B, H, N, D) tensors under a mask pattern (keys [0, kv_len), causal, per-sequence range,
+    window, chunk), with the score variants ``scores`` (sinks, softcap)."""
     key, value = pattern.keys(key, value)
     return api.qattn(query, key, value, layout="HND", qk=precision, sm_scale=scaling, split_channel=split_channel,
-                     **pattern.qattn_options())
+                     **pattern.qattn_options(), **scores)
 
 
 # ------------------------------------------------------------------------------------------------
 # inside torch.compile
 
-REASON_COMPILE_WINDOW = "under torch.compile: sliding-window layer with several queries"
 REASON_COMPILE_OFFSET = "under torch.compile: mask with more keys than queries and several queries (static-cache prefill)"
 REASON_COMPILE_HEADS = "under torch.compile: attention mask that differs per head"
 REASON_COMPILE_FLOAT_MASK = "under torch.compile: float (additive) attention mask"
@@ -337,7 +471,8 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
     read once per compilation; counts and warnings happen once per traced call site). The mask is
     turned into causal + key range with tensor ops: the range stays a tensor, and the exactness check
     eager mode does with a fallback becomes a tensor too — a sequence whose mask is not causal ∧ key
-    range comes out NaN rather than wrong (a fallback would need the host to read the check).
+    range (∧ the model's window / chunk) comes out NaN rather than wrong (a fallback would need the host
+    to read the check): e.g. Llama 4's chunks shifted by left padding.
     QAttnCache layers and calibration leave the graph (one break per layer), as before.
     """
     if kv_attention.is_packed(key) or _active_calibrations:
@@ -348,21 +483,21 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
         ops.record(support.UNQUANTIZED_BY_PLAN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    reason = _unsupported(query, key, value, dropout, kwargs)
+    variants, reason = call_variants(module, query, key, value, dropout, kwargs)
     pattern, exact = None, None
     if reason is None:
-        pattern, exact, reason = _traced_pattern(module, query, key, attention_mask, is_causal, kwargs)
+        pattern, exact, reason = _traced_pattern(module, query, key, attention_mask, is_causal, variants)
     if reason is not None:
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    out = _quantized(query, key, value, pattern, precision, scaling, split)
+    out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
     if exact is not None:
         out = torch.where(exact.view(-1, 1, 1, 1), out, float("nan"))
     return out.transpose(1, 2).contiguous(), None
 
 
-def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
+def _traced_pattern(module, query, key, attention_mask, is_causal, variants: dict):
     """(pattern, exact, None) with ``exact`` a (batch,) bool tensor or None, else (None, None, reason).
 
     :func:`resolve_pattern` under ``torch.compile``. What they share is one function each: no mask goes
@@ -371,12 +506,14 @@ def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
     and whether they reproduce the mask, on the host), which inside a graph would be a break and a
     device sync. Here causality comes from the flags, the key range stays a tensor, and exactness is a
     tensor the caller turns into NaN rows; shapes the kernel cannot take without a value read fall back.
+    The model's window / chunk join the pattern by shape, where keys reach past them (:func:`_biting`):
+    several queries only — one query's window or chunk is a key range, which the range already reads.
     """
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype != torch.bool:
         # eager mode analyses additive masks (hf_qattn.masks), which reads values: not inside a graph
         return None, None, REASON_COMPILE_FLOAT_MASK
     if attention_mask is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, kwargs)
+        pattern, reason = resolve_pattern(module, query, key, attention_mask, is_causal, variants)
         return pattern, None, reason
     batch, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     mb, mh, mq, mk = attention_mask.shape
@@ -384,20 +521,23 @@ def _traced_pattern(module, query, key, attention_mask, is_causal, kwargs):
         return None, None, REASON_MASK_SHAPE
     if mh != 1:
         return None, None, REASON_COMPILE_HEADS
-    if nq > 1 and (kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None):
-        return None, None, REASON_COMPILE_WINDOW
     if nq > 1 and nq != nk:
         return None, None, REASON_COMPILE_OFFSET
     causal = causal_call(module, is_causal, nq)
+    spans = {}
+    if nq > 1:
+        spans, reason = _biting(causal, nk, variants.get("window"), variants.get("chunk"))
+        if reason is not None:
+            return None, None, reason
     grid = attention_mask[:, 0]
     seen = grid.any(dim=1)  # (B, Nk): keys some query sees
     cols = torch.arange(nk, device=attention_mask.device)
     kv_end = torch.where(seen, cols + 1, 0).amax(dim=-1)
     kv_start = torch.where(kv_end > 0, torch.where(seen, cols, nk).amin(dim=-1), 0)
-    rebuilt = visible_keys(mb, nq, nk, is_causal=causal, kv_start=kv_start, kv_end=kv_end,
-                           device=attention_mask.device)
+    rebuilt = reference.visible_keys(mb, nq, nk, is_causal=causal, kv_start=kv_start, kv_end=kv_end,
+                                     device=attention_mask.device, **spans)
     exact = (rebuilt == attention_mask).flatten(1).all(dim=-1)
-    pattern = MaskPattern(causal, nk, kv_start.to(torch.int32), kv_end.to(torch.int32)).for_batch(batch)
+    pattern = MaskPattern(causal, nk, kv_start.to(torch.int32), kv_end.to(torch.int32), **spans).for_batch(batch)
     return pattern, exact.expand(batch), None
 
 
