@@ -1,9 +1,9 @@
 """qattn under diffusers' context parallelism (ring and Ulysses), and the LSE that the ring merges by.
 
-The two-process tests fork two CPU processes that talk through torch's gloo backend: a tiny Flux-like and
-a tiny Wan-like transformer, sharded with ``ring_degree=2`` and with ``ulysses_degree=2`` under
-``hf_qattn.patch``, against the same transformer unsharded under the same patch and plan. All cases run in
-one pair of processes (started once per module) to keep the cost of starting them to one."""
+The multi-process tests fork CPU processes that talk through torch's gloo backend: a tiny Flux-like and a
+tiny Wan-like transformer, sharded with ``ring_degree=2`` and with ``ulysses_degree=2`` (two processes) and
+with both (four), under ``hf_qattn.patch``, against the same transformer unsharded under the same patch and
+plan. The cases of one process count run in one set of processes, started once per module."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from diffusers.models import attention_dispatch  # noqa: E402
 from hf_qattn.integrations.diffusers import context_parallel  # noqa: E402
 from hf_qattn.plan import QAttnPlan  # noqa: E402
 
-WORLD = 2
 TIMEOUT_S = 240  # the whole two-process run; it takes ~15 s on 2 idle cores
 
 
@@ -137,6 +136,10 @@ def test_full_precision_shard_lse_matches_exact_attention(seed):
 # all context parallel (ring: one call per key shard); Wan's 2 blocks have self-attention (parallel) and
 # cross-attention (diffusers passes it no parallel config: an ordinary SDPA call)
 CASES = {("flux", "ring"): 6, ("flux", "ulysses"): 3, ("wan", "ring"): 6, ("wan", "ulysses"): 4}
+# four processes: ring of 2 over Ulysses of 2 ("unified"); each rank's ring has 2 key shards
+UNIFIED_CASES = {("flux", "unified"): 6, ("wan", "unified"): 6}
+DEGREES = {"ring": dict(ring_degree=2), "ulysses": dict(ulysses_degree=2),
+           "unified": dict(ring_degree=2, ulysses_degree=2)}
 PLAN = QAttnPlan(default="int8", layers={0: "int4"}, steps={0: {2: "int4"}})  # step 0: the first call
 
 
@@ -197,18 +200,18 @@ class _QkSpy:
         self._module.qattn = self._real
 
 
-def _rank_main(rank: int, port: int, seed: int) -> dict:
+def _rank_main(rank: int, port: int, seed: int, world: int, cases: dict) -> dict:
     from diffusers import ContextParallelConfig
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     torch.set_num_threads(1)  # two ranks share the test's cores
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=WORLD, timeout=timedelta(seconds=60))
+                                         world_size=world, timeout=timedelta(seconds=60))
     builders = {"flux": _tiny_flux, "wan": _tiny_wan}
     results, spy = {}, _QkSpy()
     try:
         with torch.no_grad():
-            for (name, mode), _ in CASES.items():
+            for name, mode in cases:
                 torch.manual_seed(seed)  # same weights on both ranks and in both runs
                 model = _with_key_offsets(builders[name]())
                 inputs = _inputs(name, torch.Generator().manual_seed(seed + 1))
@@ -218,7 +221,7 @@ def _rank_main(rank: int, port: int, seed: int) -> dict:
                     alone = model(**inputs)[0]
                     alone_calls = spy.take()
                 with _one_device_per_rank():
-                    model.enable_parallelism(config=ContextParallelConfig(**{f"{mode}_degree": WORLD}))
+                    model.enable_parallelism(config=ContextParallelConfig(**DEGREES[mode]))
                 hf_qattn.reset_fallback_stats()
                 with hf_qattn.patch(model, plan=PLAN):
                     sharded = model(**inputs)[0]
@@ -235,12 +238,14 @@ def _rank_main(rank: int, port: int, seed: int) -> dict:
                 results[(name, mode)] = dict(
                     err=rel_err(sharded, alone), noise=rel_err(alone, full), err_full=rel_err(sharded, full),
                     counts=counts, alone_calls=alone_calls, sharded_calls=sharded_calls, refusals=refusals)
+            if world != 2:
+                return results
             # a context-parallel model that is not patched keeps diffusers' op while another model is patched
             torch.manual_seed(seed)
             other = _tiny_flux()
             inputs = _inputs("flux", torch.Generator().manual_seed(seed + 1))
             with _one_device_per_rank():
-                other.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD))
+                other.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
             before = other(**inputs)[0]
             hf_qattn.reset_fallback_stats()
             with hf_qattn.patch(_tiny_wan()):
@@ -253,9 +258,9 @@ def _rank_main(rank: int, port: int, seed: int) -> dict:
     return results
 
 
-def _rank_entry(rank: int, port: int, seed: int, results) -> None:
+def _rank_entry(rank: int, port: int, seed: int, world: int, cases: dict, results) -> None:
     try:
-        results.put((rank, "ok", _rank_main(rank, port, seed)))
+        results.put((rank, "ok", _rank_main(rank, port, seed, world, cases)))
     except BaseException:  # noqa: BLE001  (the parent reports it)
         results.put((rank, "error", traceback.format_exc()))
 
@@ -266,7 +271,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(entry, *args, world: int = WORLD, timeout_s: float = TIMEOUT_S) -> list:
+def run_ranks(entry, *args, world: int, timeout_s: float = TIMEOUT_S) -> list:
     """Run ``entry(rank, port, *args, results_queue)`` in ``world`` processes; their results by rank.
 
     Forked where the platform can (no second import of torch and diffusers: the test's cost is the
@@ -298,20 +303,39 @@ def run_ranks(entry, *args, world: int = WORLD, timeout_s: float = TIMEOUT_S) ->
     return [collected[rank] for rank in range(world)]
 
 
-@pytest.fixture(scope="module")
-def sharded_runs():
+def _seed() -> int:
     seed = int(os.environ.get("HF_QATTN_SEED", torch.seed() % 2**31))
     print(f"random seed: {seed}  (replay with HF_QATTN_SEED={seed})")
-    return run_ranks(_rank_entry, seed)
+    return seed
 
 
-@pytest.mark.parametrize("name, mode", list(CASES))
-def test_sharded_model_matches_the_unsharded_one_under_the_patch(sharded_runs, name, mode):
-    for rank, runs in enumerate(sharded_runs):
+@pytest.fixture(scope="module")
+def sharded_runs():
+    return run_ranks(_rank_entry, _seed(), 2, CASES, world=2)
+
+
+@pytest.fixture(scope="module")
+def unified_runs():
+    return run_ranks(_rank_entry, _seed(), 4, UNIFIED_CASES, world=4)
+
+
+@pytest.fixture
+def runs_of(request):
+    """The runs (one dict per rank) holding ``(name, mode)``."""
+    return lambda mode: request.getfixturevalue("unified_runs" if mode == "unified" else "sharded_runs")
+
+
+ALL_CASES = [*CASES, *UNIFIED_CASES]
+ALL_CALLS = {**CASES, **UNIFIED_CASES}
+
+
+@pytest.mark.parametrize("name, mode", ALL_CASES)
+def test_sharded_model_matches_the_unsharded_one_under_the_patch(runs_of, name, mode):
+    for rank, runs in enumerate(runs_of(mode)):
         run = runs[(name, mode)]
         # Sharding changes only how tokens fall into the kernel's quantization blocks (and, for the ring,
         # which keys each smoothing centre covers): the sharded run differs from the unsharded one by
-        # quantization noise. Measured over 10 seeds: ring 0.94–1.43× the unsharded run's own error
+        # quantization noise. Measured over 10 seeds: ring and unified 0.94–1.43× the unsharded run's own error
         # against full precision ("noise"), Ulysses 0.02–0.23×; against full precision 0.79–1.20×. A ring
         # merge by LSEs without the shards' smoothing term gives 2.8× on Wan (Flux's rotary embedding
         # spreads the keys' common part, 1.2×: the LSE test above is the sharp check of that term).
@@ -319,20 +343,20 @@ def test_sharded_model_matches_the_unsharded_one_under_the_patch(sharded_runs, n
         assert run["err_full"] < 2.0 * run["noise"] + 1e-5, (rank, run)
 
 
-@pytest.mark.parametrize("name, mode", list(CASES))
-def test_every_sharded_call_runs_qattn_at_the_plans_precision(sharded_runs, name, mode):
-    for runs in sharded_runs:
+@pytest.mark.parametrize("name, mode", ALL_CASES)
+def test_every_sharded_call_runs_qattn_at_the_plans_precision(runs_of, name, mode):
+    for runs in runs_of(mode):
         run = runs[(name, mode)]
-        assert run["counts"] == {"calls": {"reference": CASES[(name, mode)]}, "fallbacks": {}}
+        assert run["counts"] == {"calls": {"reference": ALL_CALLS[(name, mode)]}, "fallbacks": {}}
         # each layer at the precision it has unsharded (layer 0 and, at step 0, layer 2 are int4)
         alone, sharded = dict(run["alone_calls"]), dict(run["sharded_calls"])
         assert sharded == alone and alone[0] == "int4" and alone[1] == "int8" and alone[2] == "int4"
-        assert len(run["sharded_calls"]) == CASES[(name, mode)]
+        assert len(run["sharded_calls"]) == ALL_CALLS[(name, mode)]
 
 
-@pytest.mark.parametrize("name, mode", list(CASES))
-def test_causal_and_gqa_are_refused_as_diffusers_refuses(sharded_runs, name, mode):
-    for runs in sharded_runs:
+@pytest.mark.parametrize("name, mode", ALL_CASES)
+def test_causal_and_gqa_are_refused_as_diffusers_refuses(runs_of, name, mode):
+    for runs in runs_of(mode):
         refusals = runs[(name, mode)]["refusals"]
         assert len(refusals) == 2
         assert "Causal attention is not yet supported" in refusals[0]

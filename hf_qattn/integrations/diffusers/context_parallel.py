@@ -28,11 +28,17 @@ would take over all of native attention instead of its context-parallel op, and 
 processor. The global is private to diffusers: a diffusers without it runs no context parallelism
 through the native backend, and :func:`install` then does nothing.
 
-What falls back (counted, warned once): what falls back without parallelism (masks other than key
-padding, head dims > 256, dropout, autograd), plus nothing new. A ring shard that falls back, or that
-the plan leaves ``unquantized``, computes its LSE in float32 (SDPA gives none), query block by query
-block; a Ulysses call runs SDPA itself. Calibration (:func:`hf_qattn.calibrate_pipeline`) refuses a
-model with context parallelism: calibrate on one process; the plan then applies unchanged to every rank.
+What falls back (counted, warned once) is what falls back without parallelism: masks other than key
+padding, head dims > 256, dropout, autograd (inside diffusers' ``autograd.Function`` grad mode is off, so
+inputs that require grad are the sign). A ring shard that falls back, or that the plan leaves
+``unquantized``, computes its LSE in float32 (SDPA gives none), one head and query block at a time; a
+Ulysses call runs SDPA itself. Calibration (:func:`hf_qattn.calibrate_pipeline`) refuses a model with
+context parallelism: calibrate in one process; the plan then applies unchanged to every rank.
+
+Tested (tests/test_context_parallel.py, CPU processes over gloo): ring and Ulysses of degree 2 and the
+unified mode (ring 2 × Ulysses 2, four processes) on tiny Flux and Wan transformers. The "anything"
+variants call the same op but are not tested here; neither is ``torch.compile`` of a context-parallel
+denoiser.
 
 xDiT (xfuser, on yunchang's ring and Ulysses attention) cannot take qattn cleanly. Its kernel is chosen
 from a closed ``AttnType`` enum (FA, FA3, TORCH, SAGE_*, ...); yunchang's ``select_flash_attn_impl``
@@ -121,7 +127,7 @@ def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         ctx.scale, ctx.enable_gqa = scale, enable_gqa
     named = dict(query=query.transpose(1, 2), key=key.transpose(1, 2), value=value.transpose(1, 2),
                  attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    # inside diffusers' autograd.Function grad mode is off, so qattn's own gradient check cannot see training
+    # grad mode is off inside diffusers' autograd.Function: qattn's own check cannot see training, this can
     gap = support.REASON_GRAD if any(t.requires_grad for t in (query, key, value)) else None
 
     def full_precision():
