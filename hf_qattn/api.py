@@ -177,8 +177,9 @@ def qattn(
 
     Returns the output in q's layout, shape and dtype; with ``return_lse``, ``(out, lse)``: lse is
     the log of the denominator actually used (capped scores, the sink's term included).
-    Rows that see no key give zeros (lse −inf; with sinks, the sink's logit). NaN or ±Inf in q, k or v comes out NaN in the rows
-    it reaches (with smoothing on, through the centers, that can be the whole head), never zeros.
+    Rows that see no key give zeros (lse −inf; with sinks, the sink's logit). NaN or ±Inf in q, k or v
+    comes out NaN in the rows it reaches (with smoothing on, through the centers, that can be the whole
+    head), never zeros.
     A call with a zero-size dimension returns its (empty or zero) result without a launch, uncounted.
     Inference only: with gradients required, ``"auto"`` falls back to SDPA (counted), a forced
     backend raises ``RuntimeError``.

@@ -23,7 +23,8 @@ smoothing: S_kernel = S_true·log2 e − t, exactly up to rounding):
     softcap c        S ← c'·tanh((S + t) / c') with c' = c·log2 e: the true score, capped, in base 2;
                      from then on the row term is 0 (t is folded in), masking to −inf after the cap
     sinks σ_h        one more logit without a value after the last tile, in the kernel's units
-                     σ' = σ_h·log2 e − t:  m' = max(m, σ'),  α = 2^(m − m'),  l' = α·l + 2^(σ' − m' + log2 448),
+                     σ' = σ_h·log2 e − t:  m' = max(m, σ'),  α = 2^(m − m'),
+                     l' = α·l + 2^(σ' − m' + log2 448),
                      O ← α·O / l' + v̄·(α·l / l')  (the weights of the keys sum to α·l / l', not 1)
 
 ``exact_attention`` is plain softmax attention in float64 — the yardstick for every error metric;

@@ -169,6 +169,8 @@ def triton_attention(
         config = tuning.attention_config(tuning.arch_of(device), d, is_causal, "fp8" if v_fp8 else "fp16", qk)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     d_pad = tuning.padded_head_dim(d)
+    # a window or chunk of Nk keys or more restricts nothing (every p < Nk): off, and the kernel's ints stay 32-bit
+    window, chunk = (size if 0 < size < nk else 0 for size in (window, chunk))
     kv_start, kv_end = _key_range(kv_start, kv_end, b, nk, device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=v_fp8, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=block_n,
