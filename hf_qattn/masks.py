@@ -55,7 +55,13 @@ def visible_keys(
 @dataclass(frozen=True)
 class MaskPattern:
     """What the kernels need to reproduce a mask: keys [0, kv_len), ``causal``, per-sequence ranges, and on
-    causal patterns a sliding ``window`` or a ``chunk`` where the mask is narrower than causal ∧ range."""
+    causal patterns a sliding ``window`` or a ``chunk`` where the mask is narrower than causal ∧ range.
+
+    ``chunk_shift`` (an int tensor (batch,), or None): chunks that do not start at key 0 of the call —
+    transformers starts a left-padded sequence's chunks at its first token, and a multi-token step over a
+    cache at the cache's offset. Sequence b's chunks start where key index + chunk_shift[b] is a multiple
+    of ``chunk``; :meth:`realigned` moves its tokens so that qattn's chunks (counted from key 0) are those.
+    """
 
     causal: bool
     kv_len: int
@@ -63,13 +69,36 @@ class MaskPattern:
     kv_end: torch.Tensor | None = None
     window: int | None = None
     chunk: int | None = None
+    chunk_shift: torch.Tensor | None = None
 
     def for_batch(self, batch: int) -> "MaskPattern":
         """The pattern of a batch-1 mask broadcast over ``batch`` sequences."""
         def grow(t):
             return t if t is None or t.shape[0] == batch else t.expand(batch).contiguous()
 
-        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end), self.window, self.chunk)
+        return MaskPattern(self.causal, self.kv_len, grow(self.kv_start), grow(self.kv_end), self.window, self.chunk,
+                           grow(self.chunk_shift))
+
+    def realigned(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """(query, key, value, pattern, undo) for a pattern with a ``chunk_shift``, (B, H, N, D) tensors with
+        ``kv_len`` keys: sequence b's queries and keys moved ``chunk_shift[b]`` slots later in zero-filled
+        buffers ``max(chunk_shift)`` tokens longer, so its chunks start at multiples of ``chunk`` as qattn
+        counts them. Positions stay aligned bottom-right (both lengths grow alike), the new key range hides
+        the filler, and ``undo(out)`` takes the (B, Hq, Nq + extra, D) output's real rows back."""
+        shift = self.chunk_shift.to(device=query.device, dtype=torch.long)
+        extra = int(shift.max())
+
+        def place(t):
+            b, h, n, d = t.shape
+            index = (torch.arange(n, device=t.device) + shift[:, None]).view(b, 1, n, 1).expand(b, h, n, d)
+            return t.new_zeros(b, h, n + extra, d).scatter_(2, index, t), index
+
+        (query, rows), (key, _), (value, _) = place(query), place(key), place(value)
+        start = shift if self.kv_start is None else self.kv_start.to(shift) + shift
+        end = (self.kv_len if self.kv_end is None else self.kv_end.to(shift)) + shift
+        pattern = MaskPattern(self.causal, self.kv_len + extra, start.to(torch.int32), end.to(torch.int32),
+                              self.window, self.chunk)
+        return query, key, value, pattern, lambda out: out.gather(2, rows)
 
     def keys(self, key: torch.Tensor, value: torch.Tensor, token_dim: int = 2):
         """key and value cut to the first ``kv_len`` tokens (views)."""
@@ -142,7 +171,37 @@ def analyse_mask(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int, w
                                               window=rule_window, chunk=rule_chunk, device=mask.device)[:, 0]
             if torch.equal(candidate, grid[..., :kv_len]):
                 return MaskPattern(causal, kv_len, start, end, rule_window, rule_chunk)
+        if causal and chunk is not None:
+            shift = _chunk_shift(grid[..., :kv_len], kv_start, chunk)
+            if bool((shift != 0).any()) and torch.equal(
+                    _shifted_chunk_keys(nq, kv_len, start, end, window, chunk, shift), grid[..., :kv_len]):
+                return MaskPattern(causal, kv_len, start, end, window, chunk, shift.to(torch.int32))
     return REASON_PATTERN
+
+
+def _chunk_shift(grid: torch.Tensor, kv_start: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per mask row, the shift s with chunks starting where key + s is a multiple of ``chunk``, read off a
+    chunk start the rows show (a query's first visible key past the sequence's first key); 0 where none
+    shows. A guess: the caller checks it against the whole mask."""
+    nk = grid.shape[-1]
+    first = torch.where(grid, torch.arange(nk, device=grid.device), nk).amin(dim=-1)  # (rows, Nq); nk: sees none
+    boundary = torch.where((first > kv_start[:, None]) & (first < nk), first, -1).amax(dim=-1)
+    return torch.where(boundary >= 0, (-boundary) % chunk, 0)
+
+
+def _shifted_chunk_keys(nq, kv_len, kv_start, kv_end, window, chunk, shift) -> torch.Tensor:
+    """(rows, Nq, kv_len): causal ∧ range ∧ window ∧ chunks whose starts are shifted per row, through the
+    rule itself (each row's keys and queries moved ``shift`` slots later, as :meth:`MaskPattern.realigned`
+    moves them for qattn)."""
+    out = []
+    for row, s in enumerate(shift.tolist()):
+        start = (0 if kv_start is None else int(kv_start[row])) + s
+        end = (kv_len if kv_end is None else int(kv_end[row])) + s
+        grid = _variant_visible_keys(1, nq, kv_len + s, is_causal=True, kv_start=torch.tensor([start]),
+                                     kv_end=torch.tensor([end]), window=window, chunk=chunk,
+                                     device=shift.device)[0, 0]
+        out.append(grid[:, s:])
+    return torch.stack(out)
 
 
 def _variant_visible_keys(*args, window=None, chunk=None, **kwargs) -> torch.Tensor:

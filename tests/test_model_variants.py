@@ -1,7 +1,8 @@
 """Today's attention variants through the transformers integration (issue 27): tiny models of each family, built
 from the family's own config class shrunk, with a prompt longer than the window or chunk, run every attention
-call on a quantized path — sliding windows (Mistral, Gemma 2/3, Cohere2, gpt-oss), Llama 4's chunks, gpt-oss's
-sinks, Gemma 2's soft-cap — and what the kernel still cannot serve falls back, counted.
+call on a quantized path — sliding windows (Mistral, Gemma 2/3, Cohere2, gpt-oss), Llama 4's chunks (also where
+left padding or a cache offset moves their starts), gpt-oss's sinks, Gemma 2's soft-cap — and what the kernel still
+cannot serve (a bidirectional window, per-token sinks, malformed values) falls back, counted.
 
 Each family is checked twice against the model's own eager attention (float32):
 - the semantics: with the quantization taken out (qattn's call evaluated by the exact float64 reference, same
@@ -223,12 +224,35 @@ def test_transformers_window_and_chunk_masks_are_recognised(nq):
     assert torch.equal(reference.visible_keys(1, nq, nk, is_causal=found.causal, kv_start=found.kv_start,
                                               chunk=found.chunk), unpadded)
     shifted = _transformers_mask(chunked_causal_mask_function(chunk, torch.tensor([0, 3])), 2, nq, nk, padding)
-    assert isinstance(analyse_mask(shifted, 2, 4, nq, nk, None, chunk), str) or nq == 1
+    found = analyse_mask(shifted, 2, 4, nq, nk, None, chunk)
+    if nq > 1:  # the second sequence's chunks start at its first token, key 3: shift 5 (3 + 5 = 8)
+        assert found.chunk == chunk and found.chunk_shift.tolist() == [0, 5]
+    rebuilt = torch.stack([_rebuilt_row(found.for_batch(2), row, nq) for row in range(2)])
+    assert torch.equal(rebuilt, shifted[:, 0])
 
     from transformers.masking_utils import sliding_window_bidirectional_mask_function
 
     both_ways = _transformers_mask(sliding_window_bidirectional_mask_function(window), 1, nq, nk)
     assert isinstance(analyse_mask(both_ways, 1, 4, nq, nk, window), str) or nq == 1
+
+
+def _rebuilt_row(pattern, row, nq):
+    """The (Nq, kv_len) visibility a pattern stands for in one sequence, the chunk shift applied by moving the
+    sequence's tokens as the integration does."""
+    q = torch.zeros(1, 1, nq, 1)
+    k = torch.arange(pattern.kv_len, dtype=torch.float32).view(1, 1, -1, 1)
+    one = type(pattern)(pattern.causal, pattern.kv_len, *(None if t is None else t[row : row + 1] for t in
+                                                          (pattern.kv_start, pattern.kv_end)),
+                        pattern.window, pattern.chunk,
+                        None if pattern.chunk_shift is None else pattern.chunk_shift[row : row + 1])
+    if one.chunk_shift is None:
+        return reference.visible_keys(1, nq, one.kv_len, is_causal=one.causal, kv_start=one.kv_start,
+                                      kv_end=one.kv_end, window=one.window, chunk=one.chunk)[0, 0]
+    q, k, _, moved, undo = one.realigned(q, k, k)
+    seen = reference.visible_keys(1, q.shape[2], moved.kv_len, is_causal=True, kv_start=moved.kv_start,
+                                  kv_end=moved.kv_end, window=moved.window, chunk=moved.chunk)[0, 0]
+    shift = int(one.chunk_shift[0])
+    return seen[shift : shift + nq, shift : shift + one.kv_len]
 
 
 def test_a_window_longer_than_the_keys_is_no_variant():
@@ -263,25 +287,42 @@ def test_bidirectional_sliding_window_falls_back_counted(fresh_stats):
     assert _cosine(out, ref) >= LOGITS_COS_POST_NORM
 
 
-def test_chunks_shifted_by_left_padding_fall_back_counted(fresh_stats):
+@pytest.mark.parametrize("padding", [5, 24 + 3])
+def test_chunks_shifted_by_left_padding_are_served(padding, fresh_stats):
     """Llama 4 starts a padded sequence's chunks at its first token; qattn's chunks start at key 0 of the call.
-    A padding that is not a multiple of the chunk falls back on the chunked layers, counted; the global layer and
-    the unpadded sequence's rows stay exact."""
+    The mask shows the shift (hf_qattn.masks: chunk_shift) and the integration moves each sequence by it: every
+    call stays quantized and the real tokens' logits match SDPA's (padded rows differ by design)."""
     model = _model("llama4", attn="sdpa")
-    ids = torch.randint(3, 128, (2, PROMPT))
+    ids = torch.randint(3, 128, (3, PROMPT))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    mask[1, :padding] = 0
+    mask[2, :2] = 0
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
     hf_qattn.reset_fallback_stats()
     model.set_attn_implementation("qattn")
-    with pytest.warns(RuntimeWarning, match="chunks that do not start"):
-        with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask).logits
-    counts = fresh_stats()
-    assert counts["fallbacks"] == {integration.REASON_SLIDING_WINDOW: 3}
-    assert counts["calls"] == {"sdpa": 3, "reference": 1}
-    assert _cosine(out[:, 5:], ref[:, 5:]) >= LOGITS_COS
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits
+    assert_all_quantized(fresh_stats(), model.config.num_hidden_layers)
+    for row in range(3):
+        real = mask[row].bool()
+        assert _cosine(out[row : row + 1, real], ref[row : row + 1, real]) >= LOGITS_COS
+
+
+def test_a_step_across_a_chunk_edge_over_a_cache_is_served(fresh_stats):
+    """A multi-token step over transformers' cache (its chunked layers hold the last C − 1 keys, so the call's
+    key 0 is not a chunk start) that crosses a chunk edge: quantized, and as eager computes it."""
+    model = _model("llama4")
+    ids = torch.randint(3, 128, (1, 62))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[:, 40:]
+        model.set_attn_implementation("qattn")
+        cache = tf.DynamicCache(config=model.config)
+        model(input_ids=ids[:, :40], past_key_values=cache, use_cache=True)
+        hf_qattn.reset_fallback_stats()
+        out = model(input_ids=ids[:, 40:], past_key_values=cache, use_cache=True).logits  # 40..61: edge at 48
+    assert_all_quantized(fresh_stats(), model.config.num_hidden_layers)
+    assert _cosine(out, ref) >= LOGITS_COS
 
 
 def test_per_token_sinks_fall_back_to_eager_counted(fresh_stats):

@@ -57,8 +57,7 @@ REASON_POSITION_BIAS = "additive position bias (position_bias)"
 REASON_PAGED_CACHE = "paged KV cache (continuous batching)"
 REASON_MASK_SHAPE = "attention mask of unexpected shape or type"
 REASON_SLIDING_WINDOW = ("sliding-window or chunked layer whose mask is not causal ∧ window/chunk ∧ key range (a "
-                         "bidirectional window, or chunks that do not start at the call's first key: left padding, a "
-                         "cache offset)")
+                         "bidirectional window, or a window / chunk other than the model's)")
 REASON_MASK_PATTERN = masks.REASON_PATTERN
 REASON_CAUSAL_SHAPE = "causal attention with more queries than keys"
 # calibration scores plain causal / full attention (hf_qattn.calibration's attention_accuracy): a layer whose
@@ -187,7 +186,8 @@ def model_variants(module, query, kwargs) -> tuple[dict, str | None]:
     - ``softcap``: the ``softcap`` keyword (Gemma 2).
 
     ``window`` and ``chunk`` are candidates: :func:`resolve_pattern` checks them against the mask and
-    keeps them where the mask needs them. ``sinks`` and ``softcap`` change scores, not which keys are
+    keeps them where the mask needs them (chunks that start elsewhere than at key 0 — a left-padded
+    sequence's, a step's over a cache — are read off the mask too: ``MaskPattern.chunk_shift``). ``sinks`` and ``softcap`` change scores, not which keys are
     seen, and pass as they are. Reads shapes and plain values only (the same under torch.compile).
     """
     window = _span(kwargs.get("sliding_window"))
@@ -413,6 +413,8 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         if reason is None:
             pattern, reason = kv_attention.step_pattern(query, key, lambda: resolve_pattern(
                 module, query, key, attention_mask, is_causal, variants))
+        if reason is None and pattern.chunk_shift is not None:  # (several queries over a full layer's storage)
+            reason = "chunks that need realigning: read from the dequantized storage below"
         if reason is None:
             return kv_attention.packed_attention(query, key, pattern, scaling, window=pattern.window,
                                                  chunk=pattern.chunk, **_score_options(variants)), None
@@ -449,8 +451,12 @@ def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling,
     """qattn on (B, H, N, D) tensors under a mask pattern (keys [0, kv_len), causal, per-sequence range,
     window, chunk), with the score variants ``scores`` (sinks, softcap)."""
     key, value = pattern.keys(key, value)
-    return api.qattn(query, key, value, layout="HND", qk=precision, sm_scale=scaling, split_channel=split_channel,
-                     **pattern.qattn_options(), **scores)
+    undo = None
+    if pattern.chunk_shift is not None:  # chunks starting elsewhere than key 0 (left padding, a cache offset)
+        query, key, value, pattern, undo = pattern.realigned(query, key, value)
+    out = api.qattn(query, key, value, layout="HND", qk=precision, sm_scale=scaling, split_channel=split_channel,
+                    **pattern.qattn_options(), **scores)
+    return out if undo is None else undo(out)
 
 
 # ------------------------------------------------------------------------------------------------
