@@ -24,7 +24,8 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i); ``WINDOW`` keys
 at or before p − window, ``CHUNK`` keys outside p's chunk (whole tiles before the first visible key are
-skipped). Variants (constexpr switches, nothing when off): ``SOFTCAP`` caps the true score, so the row's
+skipped); ``RING``: kv_start / kv_end are a cyclic slot range (first slot, count) of a ring buffer (a
+sliding-window or chunked cache layer with left padding). Variants (constexpr switches, nothing when off): ``SOFTCAP`` caps the true score, so the row's
 dropped sm_scale·q·k̄ (from k̄, ``K_BAR``) is added back before c·tanh(s / c); ``HAS_SINKS`` adds one logit
 per query head to the final denominator (compared with the smoothed scores: minus that same term unless
 capped), and V's center then comes back weighted by l / l′. With one
@@ -124,14 +125,15 @@ def _load_tile(ptrs, n_ok, col_ok, other, MASK_N: tl.constexpr, EVEN: tl.constex
 
 @triton.jit
 def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-                 stride_kn, stride_vn, score_coef, shift, softcap2, window, chunk_size,
+                 stride_kn, stride_vn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
-                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
-    of it / in its chunk of ``chunk_size``."""
+    of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
+    ``ring_lo`` over a ring of ``ring`` slots."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
@@ -163,7 +165,7 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     if SOFTCAP:  # tanh(t) = 1 − 2 / (exp(2t) + 1), saturating to ±1 (no tanh in the interpreter's math)
         t = (s + shift[:, None]) / softcap2
         s = softcap2 * (1.0 - 2.0 / (tl.math.exp2(t * 2.885390081777927) + 1.0))
-    if MASK_N or HAS_KV_RANGE or CAUSAL or WINDOW or CHUNK:
+    if MASK_N or HAS_KV_RANGE or CAUSAL or WINDOW or CHUNK or RING:
         visible = n_ok[None, :]
         if HAS_KV_RANGE:
             visible = visible & (offs_n >= kv_lo)[None, :]
@@ -173,6 +175,8 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
             visible = visible & (offs_n[None, :] > (diag + qi - window)[:, None])
         if CHUNK:
             visible = visible & ((offs_n[None, :] // chunk_size) == ((diag + qi) // chunk_size)[:, None])
+        if RING:
+            visible = visible & ((offs_n + ring - ring_lo) % ring < ring_count)[None, :]
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -208,12 +212,12 @@ def decode_kernel(
     stride_sb, stride_sh,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_on, stride_oh, stride_od,
-    HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef, softcap2, window, chunk_size,
+    HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef, softcap2, window, chunk_size, ring,
     GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     DEVICE_LEN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, RING: tl.constexpr,
 ):
     if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
         NK = tl.minimum(tl.load(LEN), NK)
@@ -267,7 +271,12 @@ def decode_kernel(
     # --- this split's keys: [lo, hi) ∩ [kv_lo, kv_hi) ∩ causal
     kv_lo = 0
     kv_hi = NK
-    if HAS_KV_RANGE:
+    ring_lo = 0
+    ring_count = 0
+    if RING:  # (first slot, count) of a cyclic range: every slot is read, the range masks
+        ring_lo = tl.load(KV_START + b).to(tl.int32)
+        ring_count = tl.load(KV_END + b).to(tl.int32)
+    elif HAS_KV_RANGE:
         kv_lo = tl.load(KV_START + b).to(tl.int32)
         kv_hi = tl.minimum(tl.load(KV_END + b).to(tl.int32), NK)
     diag = NK - NQ  # query i sees keys ≤ diag + i
@@ -294,13 +303,13 @@ def decode_kernel(
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                                      s_base, v_base, stride_kn, stride_vn, score_coef, shift, softcap2, window,
-                                     chunk_size, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, False,
-                                     INTERPRET, SOFTCAP, WINDOW, CHUNK)
+                                     chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL,
+                                     HAS_KV_RANGE, False, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING)
     for start in range(hi_full, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                                      s_base, v_base, stride_kn, stride_vn, score_coef, shift, softcap2, window,
-                                     chunk_size, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True,
-                                     INTERPRET, SOFTCAP, WINDOW, CHUNK)
+                                     chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL,
+                                     HAS_KV_RANGE, True, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)

@@ -117,6 +117,7 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
            kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
            length: torch.Tensor | None = None, window: int | None = None, chunk: int | None = None,
            sinks: torch.Tensor | None = None, softcap: float | None = None, k_bar: torch.Tensor | None = None,
+           ring: int | None = None,
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, waves: float | None = None,
            maxnreg: int | None = None) -> torch.Tensor:
@@ -132,6 +133,8 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     query head in the softmax denominator (natural log, units of sm_scale·q·k). ``softcap``: scores
     c·tanh(s / c). Sinks and soft-capping need the stored K's center ``k_bar`` (B, Hk, D) fp32: the kernel
     drops q·k̄ from every score (the softmax ignores a per-row constant), which they must not.
+    ``ring``: the cache is a ring of that many slots and ``kv_start`` / ``kv_end`` are instead each sequence's
+    first slot and slot count of a cyclic range (which may wrap around the ring's end).
     No host synchronization, no allocation but ``out`` when it is not given; one kernel launch (with
     several splits, the last split program to finish merges them).
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
@@ -153,6 +156,8 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
         raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
     if sinks is not None:
         sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+    if ring is not None and (kv_start is None or kv_end is None):
+        raise ValueError("ring needs kv_start and kv_end (first slot and count of each sequence's range)")
     has_range = kv_start is not None or kv_end is not None
     if has_range:
         kv_start = (torch.zeros(b, device=q.device, dtype=torch.int32) if kv_start is None
@@ -175,11 +180,11 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
         k_bar if (sinks is not None or softcap is not None) else None, sinks,
         *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),
         hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
-        1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1,
+        1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1, ring or 1,
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range, SPLIT=split,
+        INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None,
+        HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
         num_warps=settings["num_warps"] if num_warps is None else num_warps, **extra,
     )
     return out

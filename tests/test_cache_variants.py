@@ -101,6 +101,29 @@ def test_decode_kernel_variants_match_float64(seed, nq, nk, window, chunk, sinks
     assert cosine(out, reference.exact_attention(q, k, v, is_causal=True, **rules).transpose(1, 2)) >= 0.999
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_ring_ranges(seed, splits):
+    """RING: per sequence a cyclic slot range (first slot, count) that may wrap around the ring's end, against the
+    reference over the slots in position order."""
+    span, d = 40, 32
+    k, v = shifted_kv(3, 2, span, d)
+    st = storage(k, v, "int8")
+    q = torch.randn(3, 4, 1, d, device=DEVICE, dtype=torch.float16)
+    first = torch.tensor([30, 5, 0], device=DEVICE)
+    count = torch.tensor([25, 12, 0], device=DEVICE)  # wraps, inside, empty
+    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], span, int4=False,
+                               kv_start=first, kv_end=count, ring=span, num_splits=splits, block_n=16,
+                               softcap=4.0, k_bar=st["k_bar"])
+    for b in range(3):
+        slots = (first[b] + torch.arange(int(count[b]), device=DEVICE)) % span
+        ref = kv_reference.decode_attention(q[b:b + 1], st["kq"][b:b + 1, :, slots], st["ks"][b:b + 1, :, slots],
+                                            st["vq"][b:b + 1, :, slots], st["vs"][b:b + 1, :, slots],
+                                            st["v_bar"][b:b + 1], int(count[b]), precision="int8", softcap=4.0,
+                                            k_bar=st["k_bar"][b:b + 1])
+        assert mismatch(out[b:b + 1], ref) is None, (b, mismatch(out[b:b + 1], ref))
+    assert not out[2].any()  # a sequence that sees no key: zeros
+
+
 def test_decode_kernel_variants_cost_nothing_when_off(seed):
     """No variant given: the same bytes out as before the variants existed (the reference without them)."""
     k, v = shifted_kv(1, 2, 37, 32)
@@ -215,8 +238,8 @@ def test_window_layer_holds_what_the_next_query_sees(seed, kind, span, steps):
 
 def test_one_token_read_of_a_ring_is_windowed_attention(seed):
     """A one-token step over a wrapped ring (any slot order) against exact windowed attention over the whole
-    history, and with left padding still inside the window (the slots then wrap: the reference serves it,
-    counted) or already out of it (the kernel)."""
+    history, and with left padding still inside the window (a range that wraps around the ring's end: the
+    kernel's cyclic range) or already out of it."""
     span, d = 12, 16
     layer = qcache.QAttnWindowLayer("sliding_attention", span, "int8")
     k_all, v_all, _ = _feed(layer, [17, 1, 1, 1, 1, 1], d=d, b=2)
@@ -230,32 +253,19 @@ def test_one_token_read_of_a_ring_is_windowed_attention(seed):
     hf_qattn.reset_fallback_stats()
     for pad in (seen - span + 3, seen - span - 1):  # padded positions [0, pad): inside the window, then not
         kv_start = torch.tensor([0, pad - (seen - span)]).clamp_min(0)
-        with pytest.warns(RuntimeWarning, match="wraps") if pad > seen - span else _no_warning():
-            out = kv_attention.packed_attention(q, key, MaskPattern(False, span, kv_start=kv_start), None)
+        out = kv_attention.packed_attention(q, key, MaskPattern(False, span, kv_start=kv_start), None)
         starts = torch.tensor([0, pad])
         exact = reference.exact_attention(q, k_all, v_all, is_causal=True, window=span,
                                           kv_start=starts).transpose(1, 2)
         assert cosine(out, exact) >= 0.999
-    assert hf_qattn.fallback_stats()["fallbacks"] == {kv_attention.REASON_RING_RANGE: 1}
-
-
-class _no_warning:
-    def __enter__(self):
-        import warnings
-
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.simplefilter("error", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        return self._catch.__exit__(*exc)
+    assert hf_qattn.fallback_stats() == {"calls": {"triton": 2}, "fallbacks": {}}
 
 
 def test_one_token_read_of_a_chunk_and_the_variants(seed):
     """A chunked layer's one-token read with sinks and soft-capping, against exact attention: the chunk from the
     mask's range or from chunk= (the kernel, a slot range of the ring), and with left padding, where
     transformers counts a sequence's chunks from its first real token: there the second sequence's chunk wraps
-    around the ring's end (the reference, counted)."""
+    around the ring's end (a cyclic range)."""
     span, d = 8, 16
     layer = qcache.QAttnWindowLayer("chunked_attention", span, "int8")
     k_all, v_all, _ = _feed(layer, [13, 1, 1, 1, 1], d=d, b=2)
@@ -274,12 +284,11 @@ def test_one_token_read_of_a_chunk_and_the_variants(seed):
     assert hf_qattn.fallback_stats()["fallbacks"] == {}
     # sequence 1 left-padded by 2: its chunks are [2, 10), [10, 18); slots 2..7 and 0 hold positions 10..16
     padded = MaskPattern(False, mask_len, kv_start=torch.tensor([16 - 9, 10 - 9]))
-    with pytest.warns(RuntimeWarning, match="wraps"):
-        out = kv_attention.packed_attention(q, key, padded, None, **rules)
+    out = kv_attention.packed_attention(q, key, padded, None, **rules)
     exact_1 = reference.exact_attention(q[1:], k_all[1:, :, 2:], v_all[1:, :, 2:], is_causal=True, chunk=span,
                                         **rules).transpose(1, 2)
     assert cosine(out[:1], exact[:1]) >= 0.999 and cosine(out[1:], exact_1) >= 0.999
-    assert hf_qattn.fallback_stats()["fallbacks"] == {kv_attention.REASON_RING_RANGE: 1}
+    assert hf_qattn.fallback_stats() == {"calls": {"triton": 3}, "fallbacks": {}}
 
 
 def test_window_layer_checks_and_crop(seed):
@@ -331,6 +340,7 @@ def test_sliding_layer_bytes(seed, precision, d, span):
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128)
 WINDOW = 8  # the tiny models' window / chunk: the prompt (20 tokens) and the generation cross it
+SHARP = 10.0  # Gemma 2: q, k weights scaled so its scores reach the soft-cap
 
 
 def _tiny_config(kind):
@@ -356,9 +366,14 @@ def _tiny_pair(kind):
     set on the config object)."""
     config = _tiny_config(kind)
     qattn = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="qattn").eval()
-    for module in qattn.modules():  # learned sinks: random, not the initial zeros
-        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
-            torch.nn.init.normal_(module.sinks, std=1.0)
+    with torch.no_grad():
+        for module in qattn.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):  # learned sinks: random, not zeros
+                torch.nn.init.normal_(module.sinks, std=1.0)
+            if kind == "gemma2" and hasattr(module, "k_proj"):
+                # scores that reach the cap: at the initial weights' scale |s| << c and c·tanh(s / c) ≈ s
+                module.q_proj.weight.mul_(SHARP)
+                module.k_proj.weight.mul_(SHARP)
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
     eager.load_state_dict(qattn.state_dict())
     return config, qattn.to(DEVICE), eager.to(DEVICE)
@@ -401,7 +416,9 @@ def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
                 assert first == max(seen - layer.span, 0)
     decode_stats = hf_qattn.fallback_stats()
     print(kind, "prefill:", prefill, "decode:", decode_stats, "cosines:", [round(c, 5) for c in cosines])
-    assert min(cosines) >= 0.999, cosines
+    # Gemma 2: the prefill alone (no cache yet) measured cos 0.9981-0.9996 to eager over seeds, the qattn prefill's
+    # quantization through its post-attention norms (tests/test_model_variants.py measured the same)
+    assert min(cosines) >= (0.997 if kind == "gemma2" else 0.999), cosines
     assert cache.get_seq_length() == 30
     if _integration_passes_variants():  # every decode call read the quantized cache, none fell back
         assert decode_stats["fallbacks"] == {}, decode_stats
@@ -442,3 +459,42 @@ def test_captured_generate_runs_window_layers_in_eager_steps(seed):
         captured = model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4,
                                   custom_generate=hf_qattn.captured_generate, **{keyword: hf_qattn.QAttnCache(model)})
     assert torch.equal(plain, captured)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "llama4"])
+def test_left_padded_batch_over_window_layers(seed, kind):
+    """A batch of two, the second left-padded by 3: the padded sequence's window holds padding for the first
+    steps, and its chunks start 3 tokens later, so the one-token reads take slot ranges that wrap around the
+    rings' end: logits cosine ≥ 0.999 to DynamicCache + eager, every decode call on the cache's kernel."""
+    config, model, eager = _tiny_pair(kind)
+    keyword = cache_argument(model)
+    cache, theirs = hf_qattn.QAttnCache(model), transformers.DynamicCache(config=config)
+    ids = torch.randint(1, 128, (2, 9), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cosines = []
+    with torch.no_grad():
+        step = ids
+        for i in range(9):
+            if i == 1:
+                hf_qattn.reset_fallback_stats()
+            ours = model(step, attention_mask=mask, use_cache=True, **{keyword: cache}).logits[:, -1]
+            their_logits = eager(step, attention_mask=mask, use_cache=True, **{keyword: theirs}).logits[:, -1]
+            cosines.append([cosine(ours[b], their_logits[b]) for b in range(2)])
+            step = their_logits.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+    assert min(min(c) for c in cosines) >= 0.999, cosines
+    if _integration_passes_variants():
+        assert hf_qattn.fallback_stats() == {"calls": {"triton": 8 * len(cache.layers)}, "fallbacks": {}}
+
+
+def test_window_layers_from_a_shared_kwargs_dict(monkeypatch):
+    """transformers <= 5.17 shares one kwargs dict between the layers: the window / chunk comes from the config."""
+    def shared(config):
+        return list(config.layer_types), {}
+
+    monkeypatch.setattr(qcache, "get_layer_types_and_kwargs", shared)
+    config = _tiny_config("gemma2")
+    cache = hf_qattn.QAttnCache(config)
+    spans = [getattr(layer, "span", None) for layer in cache.layers]
+    assert spans == [WINDOW if kind == "sliding_attention" else None for kind in config.layer_types]

@@ -93,12 +93,6 @@ def is_packed(t) -> bool:
     return isinstance(t, PackedKV)
 
 
-# A call the decode kernel does not serve, read by its PyTorch reference over the same quantized storage
-# instead (exact math, slower; counted and warned once like a fallback)
-REASON_RING_RANGE = ("a key range that wraps around a sliding-window / chunked cache ring (left padding inside the "
-                     "window, or a padded sequence's chunk)")
-
-
 def check_variants(query: torch.Tensor, window, chunk, sinks, softcap) -> None:
     """ValueError for a ``window`` / ``chunk`` / ``sinks`` / ``softcap`` that is not what the contract accepts."""
     for name, value in (("window", window), ("chunk", chunk)):
@@ -114,9 +108,10 @@ def check_variants(query: torch.Tensor, window, chunk, sinks, softcap) -> None:
 
 
 def _ring_read(layer, batch: int, pattern, window, chunk):
-    """How a one-token query reads a sliding / chunked layer's ring: (kv_start, kv_end) slot ranges (None: every
-    held slot), and whether a sequence's range wraps around the ring's end (then only the reference can read it,
-    over the slots in position order, with the ranges returned as offsets from the oldest held position).
+    """How a one-token query reads a sliding / chunked layer's ring: (kv_start, kv_end, wraps). Without wraps,
+    slot ranges [kv_start, kv_end) (None: every held slot); with wraps (some sequence's range runs past the ring's
+    end: left padding), each sequence's first slot and slot count of a cyclic range (the decode kernel's ring
+    mode), and for the reference, which reads the slots in position order, offsets from the oldest held position.
 
     The query's visible positions [lo, hi): what the layer holds, cut by the mask's range (in mask coordinates:
     the last of ``kv_len`` keys is the newest token), a narrower ``window``, and the chunk — the mask's range
@@ -150,13 +145,13 @@ def _ring_read(layer, batch: int, pattern, window, chunk):
         begin = lo % span
         if bool((begin + count <= span).all()):
             return begin, begin + count, False
-        return (lo - first).clamp(0, held), (hi - first).clamp(0, held), True
+        return begin, count, True
     if hi - lo == held:
         return None, None, False
     begin = lo % span  # one range for the whole batch; a chunk starts at a multiple of span: no wrap
     wraps = begin + hi - lo > span
-    start, end = (lo - first, hi - first) if wraps else (begin, begin + hi - lo)
-    return torch.full((batch,), start, dtype=torch.int32), torch.full((batch,), end, dtype=torch.int32), wraps
+    return (torch.full((batch,), begin, dtype=torch.int32),
+            torch.full((batch,), hi - lo if wraps else begin + hi - lo, dtype=torch.int32), wraps)
 
 
 def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,
@@ -170,8 +165,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     position p sees keys p − W < j ≤ p, or j of p's chunk; one logit per query head in the denominator;
     scores c·tanh(s / c)). A sliding-window or chunked layer (:class:`~hf_qattn.kv_cache.cache.QAttnWindowLayer`)
     holds the last window / chunk-size tokens as a ring, which a one-token query reads whole (a window) or as a
-    slot range (a chunk, padding: :func:`_ring_read`); only a range that wraps around the ring's end goes to
-    the reference.
+    slot range (a chunk, padding: :func:`_ring_read`), cyclic where it wraps around the ring's end.
     """
     check_variants(query, window, chunk, sinks, softcap)
     layer = key.layer
@@ -180,8 +174,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     if query.shape[1] % heads:
         raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {heads} cached heads")
     kv_start, kv_end = pattern.kv_start, pattern.kv_end
-    slots = None  # the reference's gather of the storage (slots in position order), where the kernel cannot read it
-    reason = None
+    ring = None  # a cyclic slot range of a window layer's ring
     if hasattr(layer, "held_positions"):  # a sliding / chunked layer: one query (several get tensors)
         if query.shape[2] != 1:
             raise QAttnCacheError(f"a {layer.kind} cache layer is read by one-token steps only; got "
@@ -189,12 +182,10 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         kv_start, kv_end, wraps = _ring_read(layer, query.shape[0], pattern, window, chunk)
         window = chunk = None  # in the ranges now
         nk = store.length
-        if wraps:
-            reason = REASON_RING_RANGE
-            slots = layer.chronological_slots()
+        ring = layer.span if wraps else None
     else:
         nk = min(int(pattern.kv_len), store.length)
-    if reason is None and _kernels_available(query.device):
+    if _kernels_available(query.device):
         from ..kernels import decode_launch
 
         stats.record_call("triton")
@@ -206,13 +197,16 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
                                         store.capacity if by_device else nk, int4=store.precision == "int4",
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
                                         kv_end=kv_end, length=store.device_length if by_device else None,
-                                        window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar)
-    if reason is not None:
-        stats.record_degraded(reason, "reference (the cache's math in PyTorch)")
+                                        window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
+                                        ring=ring)
     stats.record_call("reference")
     kq, ks, vq, vs = store.kq, store.ks, store.vq, store.vs
-    if slots is not None:
+    if ring is not None:  # the slots in position order, the cyclic ranges as offsets from the oldest
+        first, _ = layer.held_positions()
+        slots = layer.chronological_slots()
         kq, ks, vq, vs = kq[:, :, slots], ks[:, :, slots], vq[:, :, slots], vs[:, :, slots]
+        kv_start = (kv_start - first) % ring
+        kv_end = kv_start + kv_end
     return reference.decode_attention(query, kq, ks, vq, vs, store.v_bar, nk, precision=store.precision,
                                       sm_scale=scaling, causal=pattern.causal, kv_start=kv_start, kv_end=kv_end,
                                       window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,

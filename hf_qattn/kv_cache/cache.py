@@ -9,8 +9,11 @@ Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or i
 byte where the model's plan (``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, and
 V − v̄ in FP8 E4M3 with one scale per token. k̄, v̄ are per-(batch, head, channel) centers fixed
 at the first fill. Every token is quantized once, when it is appended (``kernels/decode.py``).
-Layers the plan marks ``fp16`` keep transformers' full-precision ``DynamicLayer``; sliding-window
-and other special layer types keep transformers' own layer class (not quantized).
+Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
+the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
+that span rounded up to a whole 16-token block. Layers the plan marks unquantized keep transformers'
+full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
+attention, ...) keep transformers' own layer class.
 
 What a layer's ``update`` returns:
 
@@ -449,6 +452,12 @@ def _layer_specs(config) -> tuple[list[str], list[dict]]:
     if isinstance(layer_kwargs, dict):
         layer_kwargs = [dict(layer_kwargs) for _ in layer_types]
     layer_kwargs = list(layer_kwargs) + [{}] * (len(layer_types) - len(layer_kwargs))
+    # a window / chunk the kwargs leave out (a shared dict of an older version): the config's own
+    spans = {"sliding_attention": getattr(config, "sliding_window", None),
+             "chunked_attention": getattr(config, "attention_chunk_size", None)}
+    layer_kwargs = [dict(kwargs, sliding_window=spans[kind])
+                    if kind in spans and kwargs.get("sliding_window") is None and spans[kind] is not None
+                    else kwargs for kind, kwargs in zip(layer_types, layer_kwargs)]
     shared = getattr(config, "num_kv_shared_layers", None) or getattr(config, "kv_sharing_modes", None)
     num_layers = getattr(config, "num_hidden_layers", None)
     if not shared and isinstance(num_layers, int) and len(layer_types) < num_layers:

@@ -61,6 +61,10 @@ class CapturedDecodeStep:
         if kinds:
             raise QAttnCacheError(f"CapturedDecodeStep needs every cache layer quantized; this cache also has "
                                   f"{sorted(kinds)} layers (full-precision or special layers grow every step)")
+        windows = sorted({layer.kind for layer in cache.layers if hasattr(layer, "held_positions")})
+        if windows:
+            raise QAttnCacheError(f"CapturedDecodeStep cannot replay {windows} cache layers: their ring slot moves "
+                                  "every step (run the decode steps eagerly)")
         if any(layer.max_len is None for layer in cache.layers):
             raise QAttnCacheError("CapturedDecodeStep needs QAttnCache(..., static_max_len=N): storage that "
                                   "never moves and a token count kept on the device")
