@@ -382,14 +382,20 @@ def test_invalid_model_variants_fall_back_counted(fresh_stats):
     assert fresh_stats()["fallbacks"] == {integration.REASON_WINDOW: 1, integration.REASON_SOFTCAP: 1}
 
 
-def test_sliding_window_inside_torch_compile(fresh_stats):
-    """Inside torch.compile the window joins the pattern by shape and the mask check stays a tensor: the compiled
-    model equals eager mode, and no call falls back."""
-    model = _model("mistral", attn="qattn", num_hidden_layers=1)
+@pytest.mark.parametrize("name", ["mistral", "gpt_oss", "llama4", "gemma2"])
+def test_variants_inside_torch_compile(name, fresh_stats, monkeypatch):
+    """Inside torch.compile the window / chunk join the pattern by shape and the mask check stays a tensor, sinks
+    and soft-cap pass as they are: the call stays in the graph, the compiled model equals eager mode, and no call
+    falls back."""
+    left_graph = []
+    monkeypatch.setattr(integration.attention, "_eager_attention_forward", torch.compiler.disable(
+        lambda *args, **kwargs: left_graph.append(1) or integration.qattn_attention_forward(*args, **kwargs)))
+    model = _model(name, attn="qattn", num_hidden_layers=1)
     ids = torch.randint(3, 128, (2, 40))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         got = torch.compile(model, backend="eager")(input_ids=ids).logits
     torch.testing.assert_close(got, expected)
+    assert not left_graph
     counts = fresh_stats()
     assert counts["fallbacks"] == {} and counts["calls"] == {"reference": 2}  # 1 eager call, 1 traced call site
