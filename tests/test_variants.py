@@ -198,6 +198,9 @@ KERNEL_CASES = [  # (variant, shape and options): interpreter tiles are 32 query
     ("all", dict(b=1, hq=2, hk=1, nq=70, nk=70, layout="NHD", qk="int4")),
     ("window", dict(b=2, hq=2, hk=2, nq=70, nk=70, qk="int4", ranges=True)),
     ("softcap", dict(b=1, hq=2, hk=2, nq=20, nk=53, dtype=torch.bfloat16)),
+    ("all", dict(b=2, hq=4, hk=2, nq=1, nk=75, ranges=True)),  # decoding
+    ("sinks-window", dict(b=1, hq=2, hk=2, nq=40, nk=24)),  # rows left of key 0: zeros, lse the sink's
+    ("window-chunk", dict(b=2, hq=2, hk=1, nq=3, nk=66, ranges=True)),
 ]
 
 
