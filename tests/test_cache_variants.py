@@ -429,12 +429,14 @@ def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
 @pytest.mark.parametrize("kind", ["mistral", "llama4"])
 def test_several_token_steps_over_a_filled_window_cache(seed, kind):
     """A prompt fed in two calls (14 + 6 tokens: the second straddles a window / chunk edge over a filled layer),
-    a 3-token step, then one-token steps: logits cosine ≥ 0.999 to DynamicCache + eager at each call."""
+    a 3-token step, then one-token steps: logits cosine ≥ 0.999 to DynamicCache + eager at each call, and no
+    call falls back."""
     config, model, eager = _tiny_pair(kind)
     keyword = cache_argument(model)
     cache, theirs = hf_qattn.QAttnCache(model), transformers.DynamicCache(config=config)
     ids = torch.randint(1, 128, (1, 23), device=DEVICE)
     cosines = []
+    hf_qattn.reset_fallback_stats()
     with torch.no_grad():
         for step in (ids[:, :14], ids[:, 14:20], ids[:, 20:23], None, None, None):
             if step is None:
@@ -444,6 +446,8 @@ def test_several_token_steps_over_a_filled_window_cache(seed, kind):
             cosines.append(cosine(ours, their_logits))
     assert min(cosines) >= 0.999, cosines
     assert cache.get_seq_length() == theirs.get_seq_length() == 26
+    if _integration_passes_variants():  # the several-token steps run qattn over the K/V the layers gave them
+        assert hf_qattn.fallback_stats()["fallbacks"] == {}, hf_qattn.fallback_stats()
 
 
 def test_captured_generate_runs_window_layers_in_eager_steps(seed):
