@@ -253,13 +253,15 @@ def decode_kernel(
     # compared with the smoothed scores, which lack it
     shift = tl.zeros([BLOCK_M], tl.float32)
     if SOFTCAP or HAS_SINKS:
-        if INT4:
-            kb_lo = tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
-            kb_hi = tl.load(K_BAR + bh * HEAD_DIM + c + HALF, mask=(c + HALF) < HEAD_DIM, other=0.0)
+        if INT4:  # q in two halves, as loaded above
+            kc = tl.arange(0, D_PAD // 2)
+            kb_lo = tl.load(K_BAR + bh * HEAD_DIM + kc, mask=kc < HEAD_DIM, other=0.0)
+            kb_hi = tl.load(K_BAR + bh * HEAD_DIM + kc + D_PAD // 2, mask=(kc + D_PAD // 2) < HEAD_DIM, other=0.0)
             shift = (tl.sum(q_lo.to(tl.float32) * kb_lo[None, :], axis=1)
                      + tl.sum(q_hi.to(tl.float32) * kb_hi[None, :], axis=1))
         else:
-            kb = tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
+            kc = tl.arange(0, D_PAD)
+            kb = tl.load(K_BAR + bh * HEAD_DIM + kc, mask=kc < HEAD_DIM, other=0.0)
             shift = tl.sum(q.to(tl.float32) * kb[None, :], axis=1)
         shift = shift * score_coef
     sink2 = tl.zeros([BLOCK_M], tl.float32)
