@@ -221,7 +221,7 @@ def hopper_attention(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> torch.Tensor | None:
-    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 128). Same contract as ``triton_attention``,
+    """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 256). Same contract as ``triton_attention``,
     the variants included (window / chunk / softcap: 0 for none; sinks (Hq,) or None)."""
     config = tuning.hopper_config(q.shape[-1])
     kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)

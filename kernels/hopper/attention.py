@@ -23,12 +23,16 @@ from .params import Config, Problem, Ring
 from .scheduler import item_range, key_tiles, work_item
 
 CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgroups × 232 + 1 loader warp × 24
+# head dim 256: a consumer holds a 64×256 FP32 output, 128 registers a thread. The second consumer is a worker
+# partition with this count, the first the default partition, which gets what the workers leave (256 at most):
+# 232 spilled the worker, 248 left the default 240 and spilled it; 240 leaves it 248 and spills neither
+CONSUMER_REGISTERS_D256 = gl.constexpr(240)
 LOADER_REGISTERS = gl.constexpr(24)
 BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroups of 64
 
 
 @gluon.jit
-def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP: gl.constexpr):
+def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, WARPGROUP: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
     position after it (``base`` + its key tiles, counted as the loader counts them)."""
     BM: gl.constexpr = 64
@@ -47,26 +51,27 @@ def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP: gl
         KS_bh = prob.KS + bhk.to(gl.int64) * prob.NUM_TILES
     cta_row0 = m_block * cfg.BLOCK_M
     row0 = cta_row0 + WARPGROUP * BM
-    q_coef, q_split, q_cap = quantize_q(prob, cfg, q_smem, b, h, bhq, bhk, prob.SPLIT_CHANNEL + bhk, row0, BM,
-                                        qk_layout)
+    q_coef, q_split, q_cap = quantize_q(prob, cfg, q_smem, shift_smem, b, h, bhq, bhk, prob.SPLIT_CHANNEL + bhk,
+                                        row0, BM, qk_layout, o_layout)
     acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first,
                            end - first, cta_row0, row0, BM, qk_layout, o_layout)
-    store_output(prob, cfg, acc, l_i, m_i, b, h, bhq, bhk, row0, BM, o_layout)
+    store_output(prob, cfg, acc, l_i, m_i, shift_smem, b, h, bhq, bhk, row0, BM, o_layout)
     return base + (end - first)
 
 
 @gluon.jit
-def consumer(cfg, prob, ring, q_all, o_all, m_all, WARPGROUP: gl.constexpr):
+def consumer(cfg, prob, ring, q_all, o_all, m_all, shift_all, WARPGROUP: gl.constexpr):
     q_smem = q_all.index(WARPGROUP)
     o_smem = o_all.index(WARPGROUP)
     m_smem = m_all.index(WARPGROUP)
+    shift_smem = shift_all.index(WARPGROUP)
     if cfg.PERSISTENT:
         first, step = item_range(prob.NUM_ITEMS, cfg.PERSISTENT)
         base = 0  # the ring's tiles consumed before this item (the loader counts alike)
         for t in range(first, prob.NUM_ITEMS, step):
-            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP)
+            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, WARPGROUP)
     else:
-        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, WARPGROUP)
+        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, WARPGROUP)
 
 
 @gluon.jit
@@ -96,6 +101,13 @@ def attention_kernel(
     o_all = gl.allocate_shared_memory(gl.float32, [2, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.float32))
     m_all = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # its row maxima
+    # each row's sm_scale·q·k̄ from the prologue for the epilogue (the lse and the sinks need it): shared memory,
+    # not registers (two registers a row all loop long spilled), nor Q read again (at head dim 256 the
+    # reloaded rows beside the accumulator spilled the epilogue); m_all stands in where nothing needs it
+    if RETURN_LSE or SINKS:
+        shift_all = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        shift_all = m_all
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -104,7 +116,7 @@ def attention_kernel(
     ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty)
 
     gl.warp_specialize([
-        (consumer, (cfg, prob, ring, q_all, o_all, m_all, 0)),
-        (consumer, (cfg, prob, ring, q_all, o_all, m_all, 1)),
+        (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),
+        (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 1)),
         (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
-    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+    ], [4, 1], [CONSUMER_REGISTERS_D256 if D_PAD > 128 else CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -43,11 +43,13 @@ _LOG2E = gl.constexpr(formats.LOG2E)
 
 
 @gluon.jit
-def quantize_q(prob, cfg, q_smem, b, h, bhq, bhk, split_ptr, row0, BM: gl.constexpr, qk_layout: gl.constexpr):
+def quantize_q(prob, cfg, q_smem, shift_smem, b, h, bhq, bhk, split_ptr, row0, BM: gl.constexpr,
+               qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """Q̂ into ``q_smem`` (the A operand of Q·Kᵀ); returns each row's score coefficient δQ·sm_scale·log2 e;
     with SPLIT, its part of the split channel's score term, (q_c − q̄_c)·sm_scale·log2 e (c from
     ``split_ptr``; 0 when it is −1); with SOFTCAP, its tanh offset 2·log2 e·sm_scale·q·k̄ / c (``_softcap``).
-    A value whose switch is off is a placeholder (q_coef again) the compiler drops."""
+    A value whose switch is off is a placeholder (q_coef again) the compiler drops. With RETURN_LSE or SINKS
+    (and no SOFTCAP), each row's sm_scale·q·k̄ goes to ``shift_smem`` for the epilogue."""
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blocked))
     cols = gl.arange(0, cfg.D_PAD, layout=gl.SliceLayout(0, blocked))
@@ -55,6 +57,9 @@ def quantize_q(prob, cfg, q_smem, b, h, bhq, bhk, split_ptr, row0, BM: gl.conste
     base = prob.Q + b.to(gl.int64) * prob.stride_qb + h.to(gl.int64) * prob.stride_qh
     q = gl.load(base + rows.to(gl.int64)[:, None] * prob.stride_qn + cols[None, :] * prob.stride_qd, mask=inside,
                 other=0.0).to(gl.float32)
+    if cfg.RETURN_LSE or cfg.SINKS or cfg.SOFTCAP:  # the true scores less the kernel's: sm_scale·q·k̄ a row
+        k_bar = gl.load(prob.K_BAR + bhk * cfg.HEAD_DIM + cols, mask=cols < cfg.HEAD_DIM, other=0.0)
+        shift = gl.sum(q * k_bar[None, :], axis=1) * prob.sm_scale
     q_bar = gl.load(prob.Q_BAR + bhq * cfg.HEAD_DIM + cols, mask=cols < cfg.HEAD_DIM, other=0.0)
     qs = gl.where(inside, q - q_bar[None, :], 0.0)
     q_scale = gl.maximum(gl.max(gl.abs(qs), axis=1), 1e-30) / cfg.QK_MAX
@@ -77,8 +82,9 @@ def quantize_q(prob, cfg, q_smem, b, h, bhq, bhk, split_ptr, row0, BM: gl.conste
         q_split = gl.sum(gl.where((cols == gl.load(split_ptr))[None, :], qs, 0.0), axis=1) * prob.score_coef
     q_cap = q_coef
     if cfg.SOFTCAP:
-        k_bar = gl.load(prob.K_BAR + bhk * cfg.HEAD_DIM + cols, mask=cols < cfg.HEAD_DIM, other=0.0)
-        q_cap = gl.sum(q * k_bar[None, :], axis=1) * (prob.sm_scale * (2.0 * _LOG2E) / prob.softcap)
+        q_cap = shift * ((2.0 * _LOG2E) / prob.softcap)
+    elif cfg.RETURN_LSE or cfg.SINKS:
+        shift_smem.store(gl.convert_layout(shift, gl.SliceLayout(1, o_layout)))  # read back by these threads
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
     return gl.convert_layout(q_coef, row), gl.convert_layout(q_split, row), gl.convert_layout(q_cap, row)
 
