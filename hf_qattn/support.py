@@ -4,7 +4,7 @@ Path names are the vocabulary of ``fallback_stats()["calls"]``, the same in :fun
 and in both integrations:
 
 - ``"hopper"``: the warp-specialized Gluon kernel for sm90 (``kernels/hopper/``): INT8 Q·Kᵀ, FP8
-  P·V, head dim ≤ 128, a triton with the Gluon API it was written for;
+  P·V, head dim ≤ 256, a triton with the Gluon API it was written for;
 - ``"triton"``: the Triton GPU kernels (CUDA tensors on compute capability ≥ 8.0, head dim ≤ 256;
   under ``TRITON_INTERPRET=1`` also CPU tensors, which is how the tests run them);
 - ``"reference"``: the PyTorch simulation of the kernels' math (CPU tensors, or asked for);
@@ -162,8 +162,6 @@ def _hopper_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
         return "Triton is not installed"
     if (gap := _hopper_unbuildable(q)) is not None:
         return gap
-    if q.shape[-1] > 128:
-        return "head_dim > 128 (the Hopper kernel's registers)"
     if qk != "int8" or pv != "fp8":
         return "the Hopper kernel runs INT8 Q·Kᵀ with FP8 P·V only"
     return None
@@ -188,10 +186,10 @@ def _triton_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
 # -- the attention variants (issue 27) ----------------------------------------------------------------
 # qattn's window=, chunk=, sinks=, softcap=, by the names a call lists them under (:func:`variants_of`).
 VARIANTS = ("window", "chunk", "sinks", "softcap")
-# The variants the sm90 Gluon kernel serves. Until it serves one, a call using it on an sm90 GPU runs on the
-# portable Triton kernel instead, counted under REASON_HOPPER_VARIANT and warned once (not the SDPA
-# fallback: the call stays quantized). Lifting the rule is widening this set.
-HOPPER_SERVES_VARIANTS: frozenset[str] = frozenset()
+# The variants the sm90 Gluon kernel serves (all of them: constexpr switches of kernels/hopper/). A variant
+# left out here would run on the portable Triton kernel instead, counted under REASON_HOPPER_VARIANT and
+# warned once (not the SDPA fallback: the call stays quantized).
+HOPPER_SERVES_VARIANTS: frozenset[str] = frozenset(VARIANTS)
 REASON_HOPPER_VARIANT = "the sm90 Gluon kernel does not serve this attention variant yet"
 
 
@@ -236,7 +234,7 @@ def select_path(q: torch.Tensor, backend: str = "auto", qk: str = "int8", pv: st
 
     ``backend="auto"`` takes the first path of :data:`KERNEL_PATHS` made for q's device type that can
     serve the call, else falls back to SDPA with the reason the last one gave (a path passed over for
-    a later one is no fallback: the Hopper kernel hands d > 128 to the Triton kernel silently). A
+    a later one is no fallback: the Hopper kernel hands FP16 P·V calls to the Triton kernel silently). A
     forced backend that cannot serve the call raises ``RuntimeError``. ``gap`` is a reason no
     quantized path serves the call on any device (:func:`call_gap`, e.g. :data:`REASON_GRAD`): SDPA
     with that reason under ``"auto"``, ``RuntimeError`` for a forced backend — the same on every path.
