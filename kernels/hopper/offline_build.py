@@ -23,14 +23,15 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int = 3,
+def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool = False, stages: int | None = None,
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16",
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
                  block_n: int | None = None, d_pad: int | None = None):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
-    override the tuned tile and padded head dim (to try configurations not shipped, such as head dim 256)."""
+    override the tuned tile and padded head dim (to try configurations not shipped); ``stages`` and ``pv_tiles``
+    default to the tuned ones (kernels.json)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
@@ -41,6 +42,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
+    stages = tuning.hopper_config(head_dim)["STAGES"] if stages is None else stages
 
     def descriptor(type_name, gl_type, shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
