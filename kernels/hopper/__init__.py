@@ -12,6 +12,6 @@ One kernel, its roles one module each:
     epilogue.py    normalize, undo the smoothing and V scale, store O (and the log-sum-exp)
     attention.py   the kernel: shared memory, barriers, and the warp_specialize of the roles
 
-Variants are constexpr switches of that one kernel (causal, per-token K scales, head dim, stages),
-not files. Import ``attention`` only after :func:`gluon_api.missing` returned None.
+Variants are constexpr switches of that one kernel (causal, per-token K scales, head dim, stages, and
+the attention variants: sliding window, chunks, sinks, soft-capping), not files. Import ``attention`` only after :func:`gluon_api.missing` returned None.
 """

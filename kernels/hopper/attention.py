@@ -4,7 +4,8 @@ is 128 query rows of one batch·query-head; the scheduler (``scheduler.py``) dea
 each, or, with PERSISTENT, many to each of one CTA per SM.
 
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
-(``kernels/quantize.py``), in buffers padded to whole 128-key tiles and head dims of 64 or 128:
+(``kernels/quantize.py``), in buffers padded to whole key tiles (BLOCK_N: 128, or 64 at head dim 256) and
+head dims of 64, 128 or 256:
 K̂ int8 (B·Hk·NK_PAD, D_PAD) with δK per tile (or per token), V̂ᵀ FP8 (B·Hk·D_PAD, NK_PAD) with
 keys permuted inside 32-key groups and V's per-channel range, ΔS per (query head, key) and the split
 channel of K per (kv head, key) — through TMA descriptors, loaded by the loader warp — and the
