@@ -242,7 +242,10 @@ def test_hopper_variant_against_exact_reference_and_portable_kernel(case):
     assert frac <= 1e-3, frac
     assert rel_l1 <= _metrics(sim, ref_out)[1] + 0.01
     gap = (lse - sim_lse).abs().nan_to_num(0.0)
-    assert (gap <= 0.01 + 4e-6 * sim_lse.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)).all(), gap.max()
+    # the kernel and the simulation round a few Q/K elements differently (ties, FP32 order): their scores differ
+    # by a step of the INT8 grid, which grows with |q|·|k| — the soft-cap cases scale q and k by 3 (scores ×9)
+    score_scale = 9.0 if call["softcap"] else 1.0
+    assert (gap <= 0.01 * score_scale + 4e-6 * sim_lse.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)).all(), gap.max()
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows that see no key (and no sink): lse −inf"
     # against exact, the lse moves with the quantized scores (tenths where scores are large: the soft-cap cases):
     # on average no further than the simulated quantization's
@@ -272,4 +275,5 @@ def test_sinks_only_rows_that_see_no_key_give_zeros_and_the_sink_as_lse():
     blind = slice(0, 300)  # row i sits at key position i − 300: rows below 300 see no key
     assert (out[:, :, blind] == 0).all()
     torch.testing.assert_close(lse[:, :, blind], call["sinks"].view(1, 4, 1).expand(1, 4, 300), rtol=0, atol=1e-4)
-    assert (out[:, :, 300:] != 0).any(dim=-1).all(), "every row from 300 on sees a key"
+    # head 0's sink (30) takes all but ~e^-30 of each row: in float16 its output underflows to zero
+    assert (out[:, 1:, 300:] != 0).any(dim=-1).all(), "every row from 300 on sees a key"

@@ -74,7 +74,7 @@ def sinks_for(q, k, v, sm_scale=None):
     takes little."""
     _, lse = exact(q, k, v, sm_scale=sm_scale or q.shape[-1] ** -0.5)
     lse = lse.masked_fill(~torch.isfinite(lse), float("nan"))
-    return (lse.transpose(0, 1).flatten(1).nanmedian(dim=1).values + 2.0 * torch.randn(q.shape[1])).float()
+    return (lse.transpose(0, 1).flatten(1).nanmedian(dim=1).values + 2.0 * torch.randn(q.shape[1], device=lse.device)).float()
 
 
 # --- what each variant call uses: prompts longer than the window / chunk, sizes not multiples of a tile -----
