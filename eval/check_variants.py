@@ -59,6 +59,7 @@ import torch
 import hf_qattn
 
 import report  # eval/report.py
+from synthetic import outlier_qkv  # eval/synthetic.py
 
 COS_MIN = 0.999
 REL_L1_MAX = 0.03
@@ -73,30 +74,9 @@ KERNEL_PATHS = ("hopper", "triton")
 
 # ---------------------------------------------------------------------------------------------------------
 def device_outlier_qkv(batch, heads, kv_heads, tokens, head_dim, *, seed, dtype, device):
-    """Q, K, V (HND) by eval/synthetic.py's recipe — per head: channel spreads σ_c ~ LogNormal(0, 0.5) and
-    offsets μ_c ~ N(0, 1); K with 4 outlier channels offset ±U(8, 16), Q with 4 of its own at ±U(4, 8) and
-    scaled by 2; V with offsets 2·μ_c — the per-head parameters drawn on the CPU, the per-token noise on
-    ``device`` (a 128k-token tensor drawn on the CPU takes seconds)."""
-    gen = torch.Generator().manual_seed(seed)
-    noise = torch.Generator(device=device).manual_seed(seed)
-
-    def tensor(h, offset_scale, outliers=None):
-        sigma = torch.exp(0.5 * torch.randn(h, 1, head_dim, generator=gen))
-        mu = offset_scale * torch.randn(h, 1, head_dim, generator=gen)
-        if outliers is not None:
-            (lo, hi), first = outliers
-            for head in range(h):
-                channels = torch.randperm(head_dim, generator=gen)[first:first + 4]
-                sign = torch.where(torch.rand(4, generator=gen) < 0.5, -1.0, 1.0)
-                mu[head, 0, channels] = sign * (lo + (hi - lo) * torch.rand(4, generator=gen))
-        x = torch.randn(batch, h, tokens, head_dim, generator=noise, device=device, dtype=torch.float32)
-        return (x.mul_(sigma.to(device)).add_(mu.to(device))).to(dtype)
-
-    q = tensor(heads, 1.0, ((4.0, 8.0), 4))
-    q = (2.0 * q.float()).to(dtype) if dtype != torch.float32 else q.mul_(2.0)
-    k = tensor(kv_heads, 1.0, ((8.0, 16.0), 0))
-    v = tensor(kv_heads, 2.0)
-    return q, k, v
+    """Q, K, V (HND) by eval/synthetic.py's recipe, the per-token noise drawn on ``device``."""
+    return outlier_qkv(batch, heads, tokens, head_dim, kv_heads=kv_heads, seed=seed, dtype=dtype, device=device,
+                       draw_on=device)
 
 
 def variant_reference(q, k, v, *, sm_scale=None, window=None, chunk=None, sinks=None, softcap=None, rows=None,
