@@ -14,9 +14,6 @@ window / chunk / sinks / soft-cap rules.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import inspect
-import sys
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ triton = pytest.importorskip("triton")
 import hf_qattn  # noqa: E402
 from hf_qattn import reference  # noqa: E402
 from hf_qattn.kernels import decode, decode_launch, tuning  # noqa: E402
+from mutants import mutant_module  # noqa: E402  (tests/mutants.py)
 from hf_qattn.kv_cache import attention as kv_attention  # noqa: E402
 from hf_qattn.kv_cache import cache as qcache  # noqa: E402
 from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
@@ -137,19 +135,6 @@ def test_decode_kernel_variants_cost_nothing_when_off(seed):
         decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False, softcap=5.0)
 
 
-def _mutant(tmp_path, old, new):
-    source = inspect.getsource(decode)
-    assert source.count(old) == 1, old
-    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
-    path = tmp_path / f"decode_variant_mutant_{abs(hash(new))}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 MUTATIONS = {
     "sink: v̄ weighted 1, not l / l′": ("(acc + l[:, None] * v_bar[None, :]) / denom[:, None]",
                                         "acc / denom[:, None] + v_bar[None, :]", dict(sinks=True)),
@@ -178,7 +163,7 @@ def test_variant_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
         return mismatch(out, ref)
 
     assert run() is None
-    monkeypatch.setattr(decode_launch, "decode_kernel", _mutant(tmp_path, old, new).decode_kernel)
+    monkeypatch.setattr(decode_launch, "decode_kernel", mutant_module(tmp_path, decode, old, new).decode_kernel)
     assert run() is not None, f"the mutant '{name}' passed the check"
 
 

@@ -13,9 +13,6 @@ On a GPU the launch's key tile is 64 tokens: tests that want several splits of t
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import sys
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ triton = pytest.importorskip("triton")
 from hf_qattn import reference  # noqa: E402
 from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 from hf_qattn.kernels import decode, decode_launch, tuning  # noqa: E402
+from mutants import mutant_module  # noqa: E402  (tests/mutants.py)
 from hf_qattn.calibration.metrics import accuracy  # noqa: E402
 
 if not (torch.cuda.is_available() or tuning.interpreting()):
@@ -246,19 +244,6 @@ MUTATIONS = {
 }
 
 
-def _mutant_module(tmp_path, old, new):
-    source = inspect.getsource(decode)
-    assert source.count(old) == 1, old
-    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
-    path = tmp_path / f"decode_mutant_{abs(hash(new))}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
     k, v = outlier_kv(1, 2, 45, 32)
@@ -275,7 +260,7 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
         return mismatch(out, ref)
 
     assert run() is None
-    mutant = _mutant_module(tmp_path, *MUTATIONS[name])
+    mutant = mutant_module(tmp_path, decode, *MUTATIONS[name])
     monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
     assert run() is not None, f"the mutant '{name}' passed the check"
 

@@ -7,10 +7,7 @@ reference, the Triton kernel, the decode kernel and the SDPA fallback.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import math
-import sys
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from hf_qattn import reference, support
 triton = pytest.importorskip("triton")
 
 from hf_qattn.kernels import attention, decode, decode_launch, launch, tuning  # noqa: E402
+from mutants import mutant_module  # noqa: E402  (tests/mutants.py)
 
 if not (torch.cuda.is_available() or tuning.interpreting()):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
@@ -91,24 +89,11 @@ def test_sdpa_fallback_propagates_non_finite_input(seed):
     assert torch.isnan(out[0, 1, 3]).all() and torch.isfinite(out[1]).all()
 
 
-def _mutant(tmp_path, module, old, new):
-    source = inspect.getsource(module)
-    assert source.count(old) == 1, old
-    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
-    path = tmp_path / f"mutant_{module.__name__.rsplit('.', 1)[-1]}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mutant = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mutant
-    spec.loader.exec_module(mutant)
-    return mutant
-
-
 def test_kernel_epilogue_mutant_masks_nan_into_zeros(seed, tmp_path, monkeypatch):
     """The test above fails for the epilogue as it was (``seen = l_i > 0``): the defect's own mutant."""
     q, k, v = qkv(b=1, h=1)
     q[0, 0, 3, 5] = math.nan
-    mutant = _mutant(tmp_path, attention, "seen = l_i != 0.0", "seen = l_i > 0.0")
+    mutant = mutant_module(tmp_path, attention, "seen = l_i != 0.0", "seen = l_i > 0.0")
     monkeypatch.setattr(launch, "attention_kernel", mutant.attention_kernel)
     out, lse = hf_qattn.qattn(q, k, v, return_lse=True, backend="triton")
     assert (out == 0).all() and (lse == -math.inf).all()
@@ -134,7 +119,7 @@ def test_decode_kernel_propagates_non_finite_query(seed, splits, tmp_path, monke
     assert torch.isnan(out[0, 0, 1]).all()
     assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
     old = "seen = l_run != 0.0" if splits > 1 else "seen = l_i != 0.0"  # the splits' merge, or one split's end
-    mutant = _mutant(tmp_path, decode, old, old.replace("!= 0.0", "> 0.0"))
+    mutant = mutant_module(tmp_path, decode, old, old.replace("!= 0.0", "> 0.0"))
     monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
     assert (run()[0, 0, 1] == 0).all()  # what the test guards against
 

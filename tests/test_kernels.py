@@ -10,9 +10,6 @@ must fail the same check — that is what makes the tolerance meaningful.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ triton = pytest.importorskip("triton")
 import hf_qattn  # noqa: E402
 from hf_qattn import reference  # noqa: E402
 from hf_qattn.kernels import attention, launch, tuning  # noqa: E402
+from mutants import mutant_module  # noqa: E402  (tests/mutants.py)
 from hf_qattn.calibration.metrics import accuracy  # noqa: E402
 
 if not (torch.cuda.is_available() or tuning.interpreting()):
@@ -130,17 +128,8 @@ MUTATIONS = {
 
 
 def mutant_kernel(tmp_path, old, new):
-    """A copy of the attention kernel module with one edit, importable as a fresh module."""
-    source = inspect.getsource(attention)
-    assert source.count(old) == 1, old
-    source = source.replace(old, new).replace("from .common import", "from hf_qattn.kernels.common import")
-    path = tmp_path / f"mutant_{abs(hash(new))}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module.attention_kernel
+    """A copy of the attention kernel with one edit (tests/mutants.py)."""
+    return mutant_module(tmp_path, attention, old, new).attention_kernel
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
