@@ -399,3 +399,37 @@ def test_variants_inside_torch_compile(name, fresh_stats, monkeypatch):
     assert not left_graph
     counts = fresh_stats()
     assert counts["fallbacks"] == {} and counts["calls"] == {"reference": 2}  # 1 eager call, 1 traced call site
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration scores the variant layers with their variant
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt_oss", "gemma2", "llama4"])
+def test_calibration_scores_every_variant_layer_with_its_variant(name, monkeypatch, fresh_stats):
+    """Every layer gets a score, nothing is skipped, and each layer's scoring call carries the keywords its
+    config gives it (window / chunk / soft-cap; gpt-oss's sinks), on both sides of the comparison."""
+    from hf_qattn.calibration import scoring
+    from hf_qattn.integrations.transformers import calibration
+
+    model = _model(name)
+    model.set_attn_implementation("qattn")
+    seen: dict[int, dict] = {}
+    real = scoring.attention_accuracy
+
+    def spy(q, k, v, **options):
+        layer = len(seen)  # one sequence, one call a layer, in layer order
+        seen[layer] = {key: value for key, value in options.items()
+                       if key in ("window", "chunk", "sinks", "softcap") and value is not None}
+        return real(q, k, v, **options)
+
+    monkeypatch.setattr(calibration, "attention_accuracy", spy)
+    ids = torch.randint(0, _SHRUNK["vocab_size"], (1, PROMPT))
+    result = hf_qattn.calibrate(model, ids, ratio=0.5, objective="attention", progress=False)
+    assert result.skipped == {}, result.skipped
+    assert sorted(result.scores) == list(range(model.config.num_hidden_layers))
+    for layer, want in enumerate(_expected_variants(model)):
+        got = dict(seen[layer])
+        if name == "gpt_oss":
+            assert got.pop("sinks").shape == (model.config.num_attention_heads,)
+        assert got == want, (layer, got, want)

@@ -41,13 +41,19 @@ def attention_accuracy(
     layout: str = "HND",
     kv_start: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> Accuracy:
-    """Accuracy of ``qattn(..., qk=qk)`` against float32 attention on the same inputs."""
+    """Accuracy of ``qattn(..., qk=qk)`` against float32 attention on the same inputs, with the same attention
+    variant (sliding window, chunk, sinks, soft-cap: :func:`hf_qattn.qattn`'s keywords) on both sides."""
+    variants = dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap)
     out = qattn(q, k, v, qk=qk, is_causal=is_causal, sm_scale=sm_scale, layout=layout,
-                kv_start=kv_start, kv_end=kv_end)
+                kv_start=kv_start, kv_end=kv_end, **variants)
     hnd = [t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v)]
     ref = sdpa_attention(*(t.float() for t in hnd), is_causal=is_causal, sm_scale=sm_scale,
-                         kv_start=kv_start, kv_end=kv_end)
+                         kv_start=kv_start, kv_end=kv_end, **variants)
     if layout == "NHD":
         ref = ref.transpose(1, 2)
     return accuracy(out, ref)

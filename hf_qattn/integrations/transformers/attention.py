@@ -60,9 +60,9 @@ REASON_SLIDING_WINDOW = ("sliding-window or chunked layer whose mask is not caus
                          "bidirectional window, or a window / chunk other than the model's)")
 REASON_MASK_PATTERN = masks.REASON_PATTERN
 REASON_CAUSAL_SHAPE = "causal attention with more queries than keys"
-# calibration scores plain causal / full attention (hf_qattn.calibration's attention_accuracy): a layer whose
-# call uses a variant is skipped, not scored as attention it does not run
-REASON_CALIBRATION_VARIANT = "calibration does not score attention variants (window, chunk, sinks, soft-capping) yet"
+# calibration scores each call with its variant (hf_qattn.calibration's attention_accuracy) on each sequence's own
+# tokens; a several-query step whose chunks padding shifts has no such cut, so it is skipped, not scored wrongly
+REASON_CALIBRATION_VARIANT = "calibration does not score chunks shifted by padding outside a prompt (a step over a cache)"
 
 # Keyword arguments whose math SDPA cannot express: a full-precision fallback runs the model's eager attention.
 _EAGER_ONLY = ("softcap", "s_aux", "sinks", "indices", "block_indices")
@@ -211,11 +211,6 @@ def model_variants(module, query, kwargs) -> tuple[dict, str | None]:
             return {}, REASON_SOFTCAP
         softcap = float(softcap)
     return dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap), None
-
-
-def _uses_variants(pattern: MaskPattern, variants: dict) -> bool:
-    return (pattern.window is not None or pattern.chunk is not None or variants.get("sinks") is not None
-            or variants.get("softcap") is not None)
 
 
 def _score_options(variants: dict) -> dict:
@@ -390,8 +385,8 @@ _calibrator: contextvars.ContextVar = contextvars.ContextVar("hf_qattn_calibrato
 @contextlib.contextmanager
 def calibrating(observer):
     """Within the block every qattn call returns full-precision attention and hands its Q, K, V to
-    ``observer.observe(module, query, key, value, pattern, scaling)`` (or ``observer.skip(module,
-    reason)`` when the kernel could not serve the call)."""
+    ``observer.observe(module, query, key, value, pattern, scaling, sinks=..., softcap=...)`` (the pattern
+    carries the window / chunk; or ``observer.skip(module, reason)`` when the kernel could not serve the call)."""
     global _active_calibrations
     token = _calibrator.set(observer)
     _active_calibrations += 1
@@ -424,10 +419,10 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         out = full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                        is_causal=is_causal, **kwargs)
         pattern, variants, reason = kernel_call(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
-        if reason is None and _uses_variants(pattern, variants):
+        if reason is None and pattern.chunk_shift is not None and query.shape[2] != pattern.kv_len:
             reason = REASON_CALIBRATION_VARIANT
         if reason is None:
-            observer.observe(module, query, key, value, pattern, scaling)
+            observer.observe(module, query, key, value, pattern, scaling, **_score_options(variants))
         else:
             observer.skip(module, reason)
         return out

@@ -149,11 +149,13 @@ class _ScoreCollector(_Observer):
         super().__init__()
         self.sums: dict[int, ScoreSums] = {}
 
-    def observe(self, module, query, key, value, pattern, scaling) -> None:
+    def observe(self, module, query, key, value, pattern, scaling, sinks=None, softcap=None) -> None:
         layer = self._layer(module)
         if layer is None:
             return
         self.note_keys(layer, key, pattern)
+        variants = dict(window=pattern.window, chunk=pattern.chunk, sinks=sinks, softcap=softcap)
+        shift = pattern.chunk_shift
         nq = query.shape[2]
         key, value = key[:, :, : pattern.kv_len], value[:, :, : pattern.kv_len]
         for b in range(query.shape[0]):
@@ -164,13 +166,18 @@ class _ScoreCollector(_Observer):
             q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]
             ranges = {}
             if nq == pattern.kv_len:
-                # self-attention: query t is token t, so the padding rows go with the padding keys
+                # self-attention: query t is token t, so the padding rows go with the padding keys (and chunks
+                # counted from a sequence's first token, as transformers counts them, start at the cut's key 0:
+                # key j's chunk starts where j + shift is a multiple of the chunk, masks.MaskPattern)
+                if shift is not None and (start + int(shift[b])) % pattern.chunk:
+                    self.skipped["chunks not aligned with the sequence's first token"] += 1
+                    continue
                 q, k, v = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
             else:
                 device = query.device
                 ranges = {"kv_start": torch.tensor([start], device=device), "kv_end": torch.tensor([end], device=device)}
             result = attention_accuracy(q, k, v, qk=CALIBRATION_QK, is_causal=pattern.causal, sm_scale=scaling,
-                                        **ranges)
+                                        **ranges, **variants)
             if not math.isfinite(result.score):
                 self.skipped["non-finite score"] += 1
                 continue
@@ -221,7 +228,7 @@ class _LayerRecorder(_Observer):
         super().__init__()
         self.layers: set[int] = set()
 
-    def observe(self, module, query, key, value, pattern, scaling) -> None:
+    def observe(self, module, query, key, value, pattern, scaling, sinks=None, softcap=None) -> None:
         layer = self._layer(module)
         if layer is not None:
             self.layers.add(layer)
