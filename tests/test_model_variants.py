@@ -433,3 +433,29 @@ def test_calibration_scores_every_variant_layer_with_its_variant(name, monkeypat
         if name == "gpt_oss":
             assert got.pop("sinks").shape == (model.config.num_attention_heads,)
         assert got == want, (layer, got, want)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma2", "llama4"])
+def test_per_layer_accuracy_measures_each_layer_with_its_variant(name, monkeypatch):
+    """hf-qattn eval-attention's engine: the captured calls carry each layer's variant, and both qattn and the
+    float64 reference are called with it."""
+    from hf_qattn.evaluation import layer_accuracy
+
+    model = _model(name)
+    records = layer_accuracy.capture_attention_inputs(model, [{"input_ids": torch.randint(0, 128, (1, PROMPT))}])
+    calls = []
+    real = reference.exact_attention
+
+    def spy(*args, **options):
+        calls.append({key: options.get(key) for key in ("window", "chunk", "sinks", "softcap")})
+        return real(*args, **options)
+
+    monkeypatch.setattr(layer_accuracy.reference, "exact_attention", spy)
+    results = layer_accuracy.per_layer_accuracy(records)
+    assert [r["layer"] for r in records] == list(range(model.config.num_hidden_layers))
+    for layer, want in enumerate(_expected_variants(model)):
+        got = {key: value for key, value in calls[layer].items() if value is not None}
+        if name == "gpt_oss":
+            assert got.pop("sinks").shape == (model.config.num_attention_heads,)
+        assert got == want, (layer, got, want)
+        assert results["qattn-8b"][layer][0].cos_sim > 0.999

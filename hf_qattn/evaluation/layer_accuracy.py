@@ -15,7 +15,7 @@ import hf_qattn
 from .. import reference
 from ..calibration.metrics import accuracy
 from ..progress import track
-from ..integrations.transformers.attention import causal_call, layer_index
+from ..integrations.transformers.attention import causal_call, full_precision_attention, layer_index, model_variants
 
 MODES = (("qattn-8b", "int8"), ("qattn-4b", "int4"))
 
@@ -23,11 +23,12 @@ MODES = (("qattn-8b", "int8"), ("qattn-4b", "int4"))
 def capture_attention_inputs(model, batches) -> list[dict]:
     """Run ``model`` on ``batches`` with SDPA and keep what each attention call receives.
 
-    A temporary attention implementation records (layer, q, k, v, causal, scale) and then calls
-    transformers' own SDPA function, so the model runs exactly as with ``attn_implementation="sdpa"``.
+    A temporary attention implementation records (layer, q, k, v, causal, scale, and the layer's attention
+    variant: sliding window, chunk, sinks, soft-cap, as qattn's keywords) and then runs the model's full-precision
+    attention (transformers' SDPA function, or the model's eager one where SDPA cannot express the call). A variant qattn cannot
+    take is recorded as ``variant_error`` (the reason); such a call is not scored.
     """
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     records: list[dict] = []
     order: dict[int, int] = {}
@@ -36,11 +37,12 @@ def capture_attention_inputs(model, batches) -> list[dict]:
         layer = layer_index(module)
         if not isinstance(layer, int):
             layer = order.setdefault(id(module), len(order))
+        variants, variant_error = model_variants(module, query, kwargs)
         records.append(dict(layer=layer, q=query.detach().float().clone(), k=key.detach().float().clone(),
                             v=value.detach().float().clone(), causal=causal_call(module, is_causal, query.shape[2]),
-                            scale=scaling))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+                            scale=scaling, variants=variants, variant_error=variant_error))
+        return full_precision_attention(module, query, key, value, attention_mask, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
 
     AttentionInterface.register("qattn_capture", capture)
     previous = model.config._attn_implementation
@@ -61,10 +63,16 @@ def per_layer_accuracy(records, modes=MODES) -> dict:
     """{mode: {layer: [Accuracy per window]}} of hf_qattn.qattn against float64 attention."""
     out: dict = {label: {} for label, _ in modes}
     for record in track(records, "per-layer accuracy", leave=False):
+        if record.get("variant_error"):
+            continue  # attention qattn does not compute: scoring it as plain attention would be wrong
         q, k, v = record["q"], record["k"], record["v"]
-        exact = reference.exact_attention(q, k, v, is_causal=record["causal"], sm_scale=record["scale"])
+        variants = {name: value for name, value in record.get("variants", {}).items() if value is not None}
+        if "sinks" in variants:
+            variants["sinks"] = variants["sinks"].detach().float().flatten()
+        exact = reference.exact_attention(q, k, v, is_causal=record["causal"], sm_scale=record["scale"], **variants)
         for label, qk in modes:
-            result = hf_qattn.qattn(q, k, v, is_causal=record["causal"], sm_scale=record["scale"], qk=qk)
+            result = hf_qattn.qattn(q, k, v, is_causal=record["causal"], sm_scale=record["scale"], qk=qk,
+                                    **variants)
             out[label].setdefault(record["layer"], []).append(accuracy(result, exact))
     return out
 
