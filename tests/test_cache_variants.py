@@ -276,6 +276,20 @@ def test_one_token_read_of_a_chunk_and_the_variants(seed):
     assert hf_qattn.fallback_stats() == {"calls": {"triton": 3}, "fallbacks": {}}
 
 
+def test_a_padded_chunk_that_covers_the_whole_ring_is_read_whole(seed):
+    """Batch 1 left-padded by 3 (chunks [3, 11), [11, 19)): at position 18 the mask shows all 8 held keys, with
+    no range; they are one chunk even though it does not start at a multiple of the span. Reading chunks from
+    position 0 there would drop positions 11–15."""
+    span, d = 8, 16
+    layer = qcache.QAttnWindowLayer("chunked_attention", span, "int8")
+    k_all, v_all, _ = _feed(layer, [18, 1], d=d, b=1)
+    assert layer.held_positions() == (11, 19)
+    q = torch.randn(1, 4, 1, d, device=DEVICE)
+    out = kv_attention.packed_attention(q, kv_attention.PackedKV(layer, "keys"), MaskPattern(False, span), None)
+    exact = reference.exact_attention(q, k_all[:, :, 3:], v_all[:, :, 3:], is_causal=True, chunk=span)
+    assert cosine(out, exact.transpose(1, 2)) >= 0.999
+
+
 def test_window_layer_checks_and_crop(seed):
     with pytest.raises(ValueError, match="kind"):
         qcache.QAttnWindowLayer("full_attention", 8)

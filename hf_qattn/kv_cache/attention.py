@@ -116,7 +116,8 @@ def _ring_read(layer, batch: int, pattern, window, chunk):
     The query's visible positions [lo, hi): what the layer holds, cut by the mask's range (in mask coordinates:
     the last of ``kv_len`` keys is the newest token), a narrower ``window``, and the chunk — the mask's range
     where there is one (with left padding, transformers counts chunks from each sequence's first real token),
-    else chunks counted from position 0.
+    chunks counted from position 0 where the caller passes ``chunk``, else every held key (the mask shows them
+    all: a padded sequence's chunk can cover the whole ring without starting at a multiple of the span).
     """
     first, seen = layer.held_positions()
     span, held = layer.span, seen - first
@@ -129,7 +130,7 @@ def _ring_read(layer, batch: int, pattern, window, chunk):
     if window is not None:
         lo = max(lo, seen - window)
     has_range = pattern.kv_start is not None or pattern.kv_end is not None
-    if layer.kind == "chunked_attention" and not has_range:
+    if chunk is not None and not has_range:
         lo = max(lo, (seen - 1) // span * span)
     if has_range:
         offset = seen - int(pattern.kv_len)
