@@ -154,7 +154,11 @@ def qattn(
             runs as ``"int8"`` (more accurate, same speed) unless ``HF_QATTN_EXACT_INT4=1``.
         pv: ``"fp8"`` (E4M3) or ``"fp16"``. GPUs without FP8 tensor cores (sm80/86) run ``"fp16"``.
         smooth_q, smooth_k, smooth_v: subtract per-channel centers (exact; only error changes).
-        return_lse: also return the log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
+        return_lse: also return the log-sum-exp of the scaled scores, (B, Hq, Nq) float32 (natural log, smoothing
+            included: shards of the keys merge by it exactly). With ``sinks`` it includes the sink, so merging
+            shards called with sinks counts the sink once per shard: call the shards without, merge, then
+            multiply the output by sigmoid(lse − sink) and take logaddexp(lse, sink). ``window`` / ``chunk``
+            count positions from each call's key 0, so a key shard cannot take them.
         kv_start, kv_end: optional (batch,) int tensors; sequence b sees keys [start, end) —
             left/right padding without a mask tensor.
         backend: ``"auto"`` (kernels on capable GPUs, reference on CPU), or force one path.

@@ -41,6 +41,8 @@ def launch(q, k, v, kv_start, kv_end, *, path: str, is_causal: bool, sm_scale: f
            window: int = 0, chunk: int = 0, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0):
     """Run one decided call on ``path``: (out in q's layout, contiguous; lse or None). No checks, no counting.
     window / chunk / softcap: 0 for none (the op's types)."""
+    if (window or chunk) and not is_causal:  # the op is public: every path refuses what qattn refuses
+        raise ValueError(f"window and chunk need is_causal=True; got window={window}, chunk={chunk}")
     qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
     if path in (support.HOPPER, support.TRITON):
         from hf_qattn.kernels import launch as kernels

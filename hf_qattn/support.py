@@ -186,11 +186,11 @@ def _triton_gap(q: torch.Tensor, qk: str, pv: str) -> str | None:
 # -- the attention variants (issue 27) ----------------------------------------------------------------
 # qattn's window=, chunk=, sinks=, softcap=, by the names a call lists them under (:func:`variants_of`).
 VARIANTS = ("window", "chunk", "sinks", "softcap")
-# The variants the sm90 Gluon kernel serves (all of them: constexpr switches of kernels/hopper/). A variant
-# left out here would run on the portable Triton kernel instead, counted under REASON_HOPPER_VARIANT and
-# warned once (not the SDPA fallback: the call stays quantized).
+# The variants the sm90 Gluon kernel serves (all of them: constexpr switches of kernels/hopper/). The place
+# where a new variant starts on the portable kernel only: one left out here runs there instead, counted under
+# REASON_HOPPER_VARIANT and warned once (not the SDPA fallback: the call stays quantized).
 HOPPER_SERVES_VARIANTS: frozenset[str] = frozenset(VARIANTS)
-REASON_HOPPER_VARIANT = "the sm90 Gluon kernel does not serve this attention variant yet"
+REASON_HOPPER_VARIANT = "the sm90 Gluon kernel does not serve this attention variant"
 
 
 def variants_of(window=None, chunk=None, sinks=None, softcap=None) -> tuple[str, ...]:

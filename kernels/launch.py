@@ -128,6 +128,12 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
     return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles)
 
 
+def _key_spans(window: int, chunk: int, nk: int) -> tuple[int, int]:
+    """(window, chunk) as the kernels take them: a span of Nk keys or more restricts nothing (every p < Nk), so it
+    is off (0), and the kernels' position ints stay 32-bit. (That they need a causal call is checked by the op.)"""
+    return tuple(size if 0 < size < nk else 0 for size in (window, chunk))
+
+
 def _key_range(kv_start, kv_end, b: int, nk: int, device):
     """Both ends as contiguous int32 (the kernels index them by batch), or (None, None) for all keys."""
     if kv_start is None and kv_end is None:
@@ -169,8 +175,7 @@ def triton_attention(
         config = tuning.attention_config(tuning.arch_of(device), d, is_causal, "fp8" if v_fp8 else "fp16", qk)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     d_pad = tuning.padded_head_dim(d)
-    # a window or chunk of Nk keys or more restricts nothing (every p < Nk): off, and the kernel's ints stay 32-bit
-    window, chunk = (size if 0 < size < nk else 0 for size in (window, chunk))
+    window, chunk = _key_spans(window, chunk, nk)
     kv_start, kv_end = _key_range(kv_start, kv_end, b, nk, device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=v_fp8, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=block_n,
@@ -245,11 +250,8 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
-    if (window or chunk) and not is_causal:
-        raise ValueError(f"window and chunk need is_causal=True; got window={window}, chunk={chunk}")
     config = tuning.hopper_config(d)
-    # a window or chunk of Nk keys or more restricts nothing (every p < Nk): off, and the kernel's ints stay 32-bit
-    window, chunk = (size if 0 < size < nk else 0 for size in (window, chunk))
+    window, chunk = _key_spans(window, chunk, nk)
     persistent = config["PERSISTENT"] if persistent is None else persistent
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     k_layout, vt_layout, ds_layout = _hopper_layouts(block_n, d_pad)

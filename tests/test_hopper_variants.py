@@ -98,12 +98,15 @@ def test_variant_compiles_for_sm90_with_wgmma_tma_and_no_spills(config):
     assert report["shared"] <= 227 * 1024, report
 
 
-def test_window_and_chunk_need_a_causal_call():
+@pytest.mark.parametrize("path", ["hopper", "triton", "reference"])
+def test_window_and_chunk_need_a_causal_call(path):
+    """The public op refuses a non-causal window or chunk on every path, before any launch (qattn checks it
+    too; the op is callable on its own)."""
     q = torch.zeros(1, 1, 4, 64)
     for variant in ({"window": 16}, {"chunk": 16}):
         with pytest.raises(ValueError, match="is_causal"):
-            launch.hopper_kernel_launch(q, 1, 4, None, q, is_causal=False, sm_scale=0.125, qk="int8", kv_end=None,
-                                        return_lse=False, stages=3, **variant)
+            torch.ops.hf_qattn.attention(q, q, q, None, None, path, False, 0.125, "int8", "fp8", "HND", True, True,
+                                         True, False, False, **variant)
 
 
 # -- on the GPU -------------------------------------------------------------------------------------------
@@ -267,6 +270,7 @@ def test_sinks_only_rows_that_see_no_key_give_zeros_and_the_sink_as_lse():
     """Nq > Nk causal: the first Nq − Nk rows see no key; with a sink their output is 0 and their lse the sink."""
     q, k, v, _, _, causal, call = _inputs((1, 4, 2, 400, 100, 64, {"sinks": True, "causal": True}, None, "HND",
                                            False))
+    call["sinks"][1] = -150.0  # far below any score: the lse of a row without keys must still be the sink
     out = torch.full_like(q, float("nan"))
     lse = launch.hopper_attention(q, k, v, out, is_causal=True, sm_scale=0.125, qk="int8", smooth_q=True,
                                   smooth_k=True, smooth_v=True, kv_start=None, kv_end=None, return_lse=True,

@@ -36,10 +36,13 @@ def store_output(prob, cfg, acc, l_i, m_i, shift_smem, b, h, bhq, bhk, row0, BM:
     m = gl.convert_layout(m_i, row)
     inv_l = gl.where(seen, 1.0 / l, 0.0)
     if cfg.SINKS:
-        m_use = gl.where(m == float("-inf"), 0.0, m)  # acc and l are at this maximum (mainloop._scaling_max)
+        no_key = m == float("-inf")
+        m_use = gl.where(no_key, 0.0, m)  # acc and l are at this maximum (mainloop._scaling_max)
         sink = (gl.load(prob.SINK + h) - shift) * _LOG2E
-        m = gl.maximum(m_use, sink)
-        rescale = gl.exp2(m_use - m)
+        # a row that saw no key takes the sink's own maximum: at 0 a sink below −109 (in base 2) would
+        # underflow and its lse come out −inf; a sink of −inf (none) keeps 0
+        m = gl.where(no_key & (sink > float("-inf")), sink, gl.maximum(m_use, sink))
+        rescale = gl.where(no_key, 0.0, gl.exp2(m_use - m))
         l_sink = l * rescale + gl.exp2(sink - m + cfg.P_LOG2)
         keys_share = gl.where(seen, l * rescale / l_sink, 0.0)  # l / l′: the weights' sum (0: no key seen)
         l = l_sink

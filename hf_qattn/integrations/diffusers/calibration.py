@@ -66,14 +66,9 @@ class _ScoreRecorder:
         if gap is not None:
             self.skipped[gap] += 1
             return
-        options = pattern.qattn_options()
-        # diffusers' masks never analyse to a window or chunk (kernel_gap names none); the score is of plain attention
-        if options.pop("window", None) is not None or options.pop("chunk", None) is not None:
-            self.skipped["sliding window or chunk"] += 1
-            return
         key, value = pattern.keys(named["key"], named["value"])
         result = attention_accuracy(named["query"], key, value, qk=CALIBRATION_QK, sm_scale=named["scale"],
-                                    layout="HND", **options)
+                                    layout="HND", **pattern.qattn_options())
         if not math.isfinite(result.score):
             self.skipped["non-finite score"] += 1
             return

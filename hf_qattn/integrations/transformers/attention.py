@@ -408,9 +408,8 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         if reason is None:
             pattern, reason = kv_attention.step_pattern(query, key, lambda: resolve_pattern(
                 module, query, key, attention_mask, is_causal, variants))
-        if reason is None and pattern.chunk_shift is not None:  # (several queries over a full layer's storage)
-            reason = "chunks that need realigning: read from the dequantized storage below"
-        if reason is None:
+        # chunks that need realigning (several queries over a full layer's storage) are read dequantized below
+        if reason is None and pattern.chunk_shift is None:
             return kv_attention.packed_attention(query, key, pattern, scaling, window=pattern.window,
                                                  chunk=pattern.chunk, **_score_options(variants)), None
         key, value = kv_attention.dequantize(key), kv_attention.dequantize(value)  # the paths below serve the rest
