@@ -11,7 +11,7 @@ A query row ``i`` of sequence ``b`` sees key ``j`` when
 that sees no key at all produces zeros (and log-sum-exp −inf), as in FlashAttention.
 
 A causal pattern may narrow that further by a sliding ``window`` or a ``chunk`` (qattn's keywords, their
-rule in :func:`hf_qattn.reference.visible_keys`): the analysis takes them as the caller's candidates (what
+rule in :func:`visible_keys`): the analysis takes them as the caller's candidates (what
 the model says its layer does) and keeps them only where the mask needs them, after checking it exactly.
 """
 
@@ -37,14 +37,25 @@ def visible_keys(
     is_causal: bool,
     kv_start: torch.Tensor | None = None,
     kv_end: torch.Tensor | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Boolean mask (batch, 1, Nq, Nk), True where the key takes part."""
+    """Boolean mask (batch, 1, Nq, Nk), True where the key takes part: the one statement of qattn's key rules.
+
+    Query row i sits at key position p = i + Nk − Nq (bottom-right). Causal: keys j ≤ p. ``window`` W: keys
+    j > p − W; ``chunk`` C: keys with j // C == p // C (both need ``is_causal``, which :func:`hf_qattn.qattn`
+    checks; together: both rules). ``kv_start`` / ``kv_end``: sequence b sees keys [start, end)."""
     cols = torch.arange(nk, device=device)
     mask = torch.ones(batch, 1, nq, nk, dtype=torch.bool, device=device)
+    p = torch.arange(nq, device=device)[:, None] + (nk - nq)
     if is_causal:
-        rows = torch.arange(nq, device=device)
-        mask &= (cols[None, :] <= rows[:, None] + (nk - nq))[None, None]
+        mask &= (cols[None, :] <= p)[None, None]
+    if window is not None:
+        mask &= (cols[None, :] > p - window)[None, None]
+    if chunk is not None:
+        mask &= (torch.div(cols[None, :], chunk, rounding_mode="floor")
+                 == torch.div(p, chunk, rounding_mode="floor"))[None, None]
     if kv_start is not None:
         mask &= (cols[None, :] >= kv_start.to(device).view(-1, 1)).view(batch, 1, 1, nk)
     if kv_end is not None:
@@ -167,7 +178,7 @@ def analyse_mask(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int, w
         if grid[..., kv_len:].any():
             continue
         for rule_window, rule_chunk in spans if causal else spans[:1]:  # plain first: a variant only where needed
-            candidate = _variant_visible_keys(rows, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
+            candidate = visible_keys(rows, nq, kv_len, is_causal=causal, kv_start=start, kv_end=end,
                                               window=rule_window, chunk=rule_chunk, device=mask.device)[:, 0]
             if torch.equal(candidate, grid[..., :kv_len]):
                 return MaskPattern(causal, kv_len, start, end, rule_window, rule_chunk)
@@ -197,21 +208,11 @@ def _shifted_chunk_keys(nq, kv_len, kv_start, kv_end, window, chunk, shift) -> t
     for row, s in enumerate(shift.tolist()):
         start = (0 if kv_start is None else int(kv_start[row])) + s
         end = (kv_len if kv_end is None else int(kv_end[row])) + s
-        grid = _variant_visible_keys(1, nq, kv_len + s, is_causal=True, kv_start=torch.tensor([start]),
+        grid = visible_keys(1, nq, kv_len + s, is_causal=True, kv_start=torch.tensor([start]),
                                      kv_end=torch.tensor([end]), window=window, chunk=chunk,
                                      device=shift.device)[0, 0]
         out.append(grid[:, s:])
     return torch.stack(out)
-
-
-def _variant_visible_keys(*args, window=None, chunk=None, **kwargs) -> torch.Tensor:
-    """:func:`visible_keys` with the window / chunk rule, which lives with the kernels' reference (imported
-    here on use: :mod:`hf_qattn.reference` imports this module)."""
-    if window is None and chunk is None:
-        return visible_keys(*args, **kwargs)
-    from .reference import visible_keys as with_variants
-
-    return with_variants(*args, window=window, chunk=chunk, **kwargs)
 
 
 def cached_analysis(mask: torch.Tensor, batch: int, heads: int, nq: int, nk: int, window: int | None = None,

@@ -39,34 +39,11 @@ import torch
 
 from . import quant
 from .kernels.formats import LOG2E
-from .masks import visible_keys as _visible_keys
-
+from .masks import visible_keys  # noqa: F401  (the key rules; re-exported for the reference's users)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def visible_keys(batch: int, nq: int, nk: int, *, is_causal: bool, kv_start: torch.Tensor | None = None,
-                 kv_end: torch.Tensor | None = None, window: int | None = None, chunk: int | None = None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`hf_qattn.masks.visible_keys` (causal, key ranges) and the variants' key rules, (B, 1, Nq, Nk) bool.
-
-    Query row i sits at key position p = i + Nk − Nq. ``window`` W: it sees keys j with p − W < j;
-    ``chunk`` C: keys with j // C == p // C (with the causal j ≤ p: p // C·C ≤ j). Both need ``is_causal``
-    (:func:`hf_qattn.qattn` checks it); both together: both rules.
-    """
-    mask = _visible_keys(batch, nq, nk, is_causal=is_causal, kv_start=kv_start, kv_end=kv_end, device=device)
-    if window is None and chunk is None:
-        return mask
-    p = torch.arange(nq, device=device)[:, None] + (nk - nq)
-    j = torch.arange(nk, device=device)[None, :]
-    rule = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if window is not None:
-        rule &= j > p - window
-    if chunk is not None:
-        rule &= torch.div(j, chunk, rounding_mode="floor") == torch.div(p, chunk, rounding_mode="floor")
-    return mask & rule
 
 
 def _sink_logits(sinks: torch.Tensor, b: int, nq: int) -> torch.Tensor:
