@@ -50,37 +50,6 @@ def _check_sm_scale(sm_scale) -> float | None:
     return float(sm_scale)
 
 
-def _check_span(name: str, value, is_causal: bool) -> int | None:
-    """window / chunk: None, or an int ≥ 1 on a causal call."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 (keys a query sees) or None; got {value!r}")
-    if not is_causal:
-        raise ValueError(f"{name}={value} needs is_causal=True (a query's keys end at its own position)")
-    return int(value)
-
-
-def _check_softcap(softcap) -> float | None:
-    if softcap is None:
-        return None
-    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
-            or softcap <= 0):
-        raise ValueError(f"softcap must be a finite real number > 0 or None; got {softcap!r}")
-    return float(softcap)
-
-
-def _check_sinks(sinks, heads: int, device: torch.device) -> None:
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (heads,):
-        got = f"{sinks.dtype} tensor of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else \
-            type(sinks).__name__
-        raise ValueError(f"sinks must be a float tensor of shape (query heads,) = ({heads},); got {got}")
-    if sinks.device != device:
-        raise ValueError(f"sinks must be on the same device as q ({device}); got {sinks.device}")
-
-
 def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     _choice("qk", qk, QK_CHOICES)
     _choice("pv", pv, PV_CHOICES)
@@ -196,9 +165,8 @@ def qattn(
         raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
     b, hq, nq, d = qh.shape
     nk = kh.shape[2]
-    variants = dict(window=_check_span("window", window, is_causal), chunk=_check_span("chunk", chunk, is_causal),
-                    sinks=sinks, softcap=_check_softcap(softcap))
-    _check_sinks(sinks, hq, q.device)
+    variants = support.check_variants(window=window, chunk=chunk, sinks=sinks, softcap=softcap, is_causal=is_causal,
+                                      heads=hq, device=q.device)
     if qh.numel() == 0 or kh.numel() == 0:  # a zero-size dimension: nothing to launch
         out, lse = _empty_result(qh, kh, vh, is_causal=is_causal, sm_scale=sm_scale, kv_start=kv_start,
                                  kv_end=kv_end, return_lse=return_lse, **variants)

@@ -26,6 +26,8 @@ integrations do not fall back on for its arguments, and the reverse.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable
 
@@ -191,6 +193,34 @@ VARIANTS = ("window", "chunk", "sinks", "softcap")
 # REASON_HOPPER_VARIANT and warned once (not the SDPA fallback: the call stays quantized).
 HOPPER_SERVES_VARIANTS: frozenset[str] = frozenset(VARIANTS)
 REASON_HOPPER_VARIANT = "the sm90 Gluon kernel does not serve this attention variant"
+
+
+def check_variants(*, window, chunk, sinks, softcap, is_causal: bool, heads: int, device) -> dict:
+    """The variants' arguments as the kernels take them ({window, chunk, sinks, softcap}), or a ValueError that
+    names the argument and what is accepted: window / chunk an int ≥ 1 on a causal call, sinks a float tensor
+    (heads,) on ``device``, softcap a finite real > 0; None for each is "not used"."""
+    spans = {}
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (keys a query sees) or None; got {value!r}")
+            if not is_causal:
+                raise ValueError(f"{name}={value} needs is_causal=True (a query's keys end at its own position)")
+            value = int(value)
+        spans[name] = value
+    if softcap is not None:
+        if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap)
+                or softcap <= 0):
+            raise ValueError(f"softcap must be a finite real number > 0 or None; got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (heads,):
+            got = (f"{sinks.dtype} tensor of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor)
+                   else type(sinks).__name__)
+            raise ValueError(f"sinks must be a float tensor of shape (query heads,) = ({heads},); got {got}")
+        if sinks.device != torch.device(device):
+            raise ValueError(f"sinks must be on the same device as q ({device}); got {sinks.device}")
+    return dict(window=spans["window"], chunk=spans["chunk"], sinks=sinks, softcap=softcap)
 
 
 def variants_of(window=None, chunk=None, sinks=None, softcap=None) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import contextvars
 
 import torch
 
-from .. import stats
+from .. import stats, support
 from . import reference
 
 
@@ -93,20 +93,6 @@ def is_packed(t) -> bool:
     return isinstance(t, PackedKV)
 
 
-def check_variants(query: torch.Tensor, window, chunk, sinks, softcap) -> None:
-    """ValueError for a ``window`` / ``chunk`` / ``sinks`` / ``softcap`` that is not what the contract accepts."""
-    for name, value in (("window", window), ("chunk", chunk)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be None or an int ≥ 1; got {value!r}")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point()
-                              or tuple(sinks.shape) != (query.shape[1],)):
-        raise ValueError(f"sinks must be None or a float tensor of shape (query heads,) = ({query.shape[1]},); got "
-                         f"{getattr(sinks, 'shape', type(sinks).__name__)}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not softcap > 0 or softcap == float("inf")):
-        raise ValueError(f"softcap must be None or a finite float > 0; got {softcap!r}")
-
-
 def _ring_read(layer, batch: int, pattern, window, chunk):
     """How a one-token query reads a sliding / chunked layer's ring: (kv_start, kv_end, wraps). Without wraps,
     slot ranges [kv_start, kv_end) (None: every held slot); with wraps (some sequence's range runs past the ring's
@@ -168,7 +154,10 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     holds the last window / chunk-size tokens as a ring, which a one-token query reads whole (a window) or as a
     slot range (a chunk, padding: :func:`_ring_read`), cyclic where it wraps around the ring's end.
     """
-    check_variants(query, window, chunk, sinks, softcap)
+    # the arguments as qattn takes them (a read of the cache is causal: its newest key is the query's position)
+    variants = support.check_variants(window=window, chunk=chunk, sinks=sinks, softcap=softcap, is_causal=True,
+                                      heads=query.shape[1], device=query.device)
+    window, chunk, softcap = variants["window"], variants["chunk"], variants["softcap"]
     layer = key.layer
     store = layer.storage()
     heads = store.kq.shape[1]
