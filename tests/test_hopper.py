@@ -55,15 +55,20 @@ print(json.dumps({**ob.resources(kernel), "loop_local": ob.loop_local_memory(ker
 """
 
 
-@needs_gluon
-@pytest.mark.parametrize("config", SHIPPED, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(config):
-    # a subprocess: a Gluon compile error can abort the process (seen with triton 3.6)
+def offline_report(config: dict) -> dict:
+    """The sm90 build of ``config`` (kernels/hopper/offline_build.py's arguments): resources, loop-local memory,
+    opcode counts. In a subprocess: a Gluon compile error can abort the process (seen with triton 3.6)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
     run = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(config)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(config):
+    report = offline_report(config)
     assert report["IGMMA"] > 0, "INT8 Q·Kᵀ must run on the INT8 wgmma"
     assert report["QGMMA"] > 0, "P·V must run on the FP8 wgmma"
     assert report["UTMALDG"] >= 3, "K, V and ΔS tiles must come through TMA"

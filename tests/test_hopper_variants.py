@@ -19,11 +19,7 @@ two-level flushes inside a window or chunk).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,6 +27,7 @@ import torch
 from hf_qattn import reference
 from hf_qattn.kernels import launch, tuning
 from hf_qattn.kernels.hopper import gluon_api
+from test_hopper import offline_report  # noqa: E402  (tests/test_hopper.py)
 
 needs_gluon = pytest.mark.skipif(gluon_api.missing() is not None, reason=f"{gluon_api.missing()}")
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -69,25 +66,12 @@ BUILDS = [
     )
 ]
 
-_PROBE = """
-import json, sys
-from hf_qattn.kernels.hopper import offline_build as ob
-kernel = ob.compile_sm90(**json.loads(sys.argv[1]))
-ops = ob.opcode_counts(kernel)
-print(json.dumps({**ob.resources(kernel), "loop_local": ob.loop_local_memory(kernel),
-                  **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL")}}))
-"""
 
 
 @needs_gluon
 @pytest.mark.parametrize("config", BUILDS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_variant_compiles_for_sm90_with_wgmma_tma_and_no_spills(config):
-    # a subprocess: a Gluon compile error can abort the process (seen with triton 3.6)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(config)], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = offline_report(config)
     assert report["IGMMA"] > 0 and report["QGMMA"] > 0 and report["UTMALDG"] >= 3, report
     assert report["spill_bytes"] == 0, report
     assert report["loop_local"] == [0, 0], "no local memory in either consumer warpgroup's main loop"
