@@ -14,6 +14,7 @@ window / chunk / sinks / soft-cap rules.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -347,9 +348,11 @@ def _tiny_config(kind):
     if kind == "mistral":  # every layer sliding
         return tf.MistralConfig(**_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 sliding_window=WINDOW)
-    if kind == "gpt_oss":  # sinks on every layer, sliding and full layers alternating
+    if kind == "gpt_oss":  # sinks on every layer, sliding and full layers alternating; both experts taken: with
+        # one of two, a token whose router scores nearly tie flips expert on a small attention difference (a decode
+        # step measured cos 0.85 on the quantized cache and on its reference math alike, the next steps 0.9999)
         return tf.GptOssConfig(**_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1)
+                               sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=2)
     if kind == "gemma2":  # soft-capping on every layer, sliding and full layers alternating
         return tf.Gemma2Config(**_TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                sliding_window=WINDOW, attn_logit_softcapping=2.0)
@@ -501,3 +504,15 @@ def test_window_layers_from_a_shared_kwargs_dict(monkeypatch):
     cache = hf_qattn.QAttnCache(config)
     spans = [getattr(layer, "span", None) for layer in cache.layers]
     assert spans == [WINDOW if kind == "sliding_attention" else None for kind in config.layer_types]
+
+
+def test_layer_spans_from_a_shared_kwargs_dict(monkeypatch):
+    """transformers ≤ 5.17 hands one kwargs dict to every layer: a config with sliding and chunked layers must
+    still give each kind its own span (the config's sliding_window / attention_chunk_size), not the dict's."""
+    config = types.SimpleNamespace(sliding_window=16, attention_chunk_size=32, num_hidden_layers=3)
+    monkeypatch.setattr(qcache, "get_layer_types_and_kwargs",
+                        lambda config: (["sliding_attention", "chunked_attention", "full_attention"],
+                                        {"sliding_window": 32}))
+    kinds, kwargs = qcache._layer_specs(config)
+    assert kinds == ["sliding_attention", "chunked_attention", "full_attention"]
+    assert [k.get("sliding_window") for k in kwargs[:2]] == [16, 32]

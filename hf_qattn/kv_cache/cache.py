@@ -449,14 +449,16 @@ def _layer_specs(config) -> tuple[list[str], list[dict]]:
     """
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     layer_types = list(layer_types)
-    if isinstance(layer_kwargs, dict):
+    shared_dict = isinstance(layer_kwargs, dict)
+    if shared_dict:
         layer_kwargs = [dict(layer_kwargs) for _ in layer_types]
     layer_kwargs = list(layer_kwargs) + [{}] * (len(layer_types) - len(layer_kwargs))
-    # a window / chunk the kwargs leave out (a shared dict of an older version): the config's own
+    # a window / chunk the kwargs leave out, or one dict shared by sliding and chunked layers alike (older
+    # versions): each layer kind's span from the config itself
     spans = {"sliding_attention": getattr(config, "sliding_window", None),
              "chunked_attention": getattr(config, "attention_chunk_size", None)}
     layer_kwargs = [dict(kwargs, sliding_window=spans[kind])
-                    if kind in spans and kwargs.get("sliding_window") is None and spans[kind] is not None
+                    if kind in spans and spans[kind] is not None and (shared_dict or kwargs.get("sliding_window") is None)
                     else kwargs for kind, kwargs in zip(layer_types, layer_kwargs)]
     shared = getattr(config, "num_kv_shared_layers", None) or getattr(config, "kv_sharing_modes", None)
     num_layers = getattr(config, "num_hidden_layers", None)
@@ -468,7 +470,8 @@ def _layer_specs(config) -> tuple[list[str], list[dict]]:
 
 
 class QAttnCache(Cache):
-    """A transformers ``Cache`` whose full-attention layers are stored quantized (see the module docstring).
+    """A transformers ``Cache`` whose layers are stored quantized — full-attention layers whole, sliding and
+    chunked ones as a ring of their span (see the module docstring).
 
     Args:
         model_or_config: the model (or its config); the layer count, layer types and the plan come from it.
