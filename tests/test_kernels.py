@@ -35,21 +35,23 @@ def outlier_qkv(b, hq, hk, nq, nk, d, dtype):
 
 
 def kernel_and_reference(q, k, v, *, layout="HND", causal=False, qk="int8", kv_start=None, kv_end=None,
-                         split_channel=False):
-    """(kernel out, kernel lse, reference out, reference lse), all HND; reference with the kernel's tiles."""
+                         split_channel=False, smooth=True, **variants):
+    """(kernel out, kernel lse, reference out, reference lse), all HND; reference with the kernel's tiles.
+    ``smooth``: K and V smoothing; ``variants``: qattn's window / chunk / sinks / softcap, on both sides."""
     args = (q, k, v) if layout == "HND" else tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
     out, lse = hf_qattn.qattn(*args, is_causal=causal, qk=qk, layout=layout, kv_start=kv_start, kv_end=kv_end,
-                              return_lse=True, backend="triton", split_channel=split_channel)
+                              return_lse=True, backend="triton", split_channel=split_channel, smooth_k=smooth,
+                              smooth_v=smooth, **variants)
     if layout == "NHD":
         out = out.transpose(1, 2)
     config = tuning.attention_config(tuning.arch_of(q.device), q.shape[-1], causal, "fp8", qk)
     # the kernel's own centers: the reference's torch mean sums in another order, and a last-bit difference
     # in k̄ can flip an INT8 rounding tie (seen: lse off by 2.6e-3, HF_QATTN_SEED=1243664804)
     centers = tuple(c.view(t.shape[0], t.shape[1], -1) for c, t in
-                    zip(launch.smoothing_centers(q, k, v, True, True, True), (q, k, v)))
+                    zip(launch.smoothing_centers(q, k, v, True, smooth, smooth), (q, k, v)))
     ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=causal, qk=qk, kv_start=kv_start, kv_end=kv_end,
                                                  return_lse=True, centers=centers, split_channel=split_channel,
-                                                 **tuning.reference_settings(config))
+                                                 **tuning.reference_settings(config), **variants)
     return out, lse, ref, ref_lse
 
 

@@ -22,6 +22,7 @@ from hf_qattn import reference, support
 
 try:  # the kernel-vs-reference check and the mutant builder, where the Triton kernels can run
     from test_kernels import DEVICE, mismatch, mutant_kernel
+    from test_kernels import kernel_and_reference as _kernel_and_reference
     KERNELS = True
 except pytest.skip.Exception:
     KERNELS, DEVICE = False, "cpu"
@@ -167,23 +168,9 @@ def test_rows_without_keys_with_sinks(seed):
 
 
 # --- the Triton kernel --------------------------------------------------------------------------------------
-def kernel_and_reference(q, k, v, *, layout="HND", qk="int8", kv_start=None, kv_end=None, smooth=True, **kw):
-    """(kernel out, kernel lse, reference out, reference lse), HND; the reference with the kernel's tiles and
-    centers (see test_kernels.kernel_and_reference)."""
-    from hf_qattn.kernels import launch, tuning
-
-    args = (q, k, v) if layout == "HND" else tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
-    out, lse = hf_qattn.qattn(*args, is_causal=True, qk=qk, layout=layout, kv_start=kv_start, kv_end=kv_end,
-                              return_lse=True, backend="triton", smooth_k=smooth, smooth_v=smooth, **kw)
-    if layout == "NHD":
-        out = out.transpose(1, 2)
-    config = tuning.attention_config(tuning.arch_of(q.device), q.shape[-1], True, "fp8", qk)
-    centers = tuple(c.view(t.shape[0], t.shape[1], -1) for c, t in
-                    zip(launch.smoothing_centers(q, k, v, True, smooth, smooth), (q, k, v)))
-    ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=True, qk=qk, kv_start=kv_start, kv_end=kv_end,
-                                                 return_lse=True, centers=centers, **tuning.reference_settings(config),
-                                                 **kw)
-    return out, lse, ref, ref_lse
+def kernel_and_reference(q, k, v, **options):
+    """test_kernels.kernel_and_reference on a causal call (every variant here is one)."""
+    return _kernel_and_reference(q, k, v, causal=True, **options)
 
 
 KERNEL_CASES = [  # (variant, shape and options): interpreter tiles are 32 query rows × 16 keys
