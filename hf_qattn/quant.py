@@ -14,14 +14,16 @@ import math
 
 import torch
 
-from hf_qattn.kernels.formats import FLOAT_MAX, INT_MAX, P_SCALE, SCALE_FLOOR  # noqa: F401 (re-exported)
+from hf_qattn.kernels.formats import FLOAT_MAX, INT_MAX, P_SCALE, SCALE_FLOOR, v_dither  # noqa: F401 (re-exported)
 
 FLOAT_DTYPE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 QK_FORMATS = ("int8", "int4", "none")
 PV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp16", "none")
 GRANULARITIES = ("tensor", "block", "warp", "token")
-V_GRANULARITIES = ("channel", "block")
+# "channel-dither": per channel over all keys, times key tile t's dither φ_t (the sm90 kernel's; see
+# kernels/formats.py V_DITHER_LEVELS), so that copies of one value do not all round alike
+V_GRANULARITIES = ("channel", "channel-dither", "block")
 
 
 def smoothing_center(x: torch.Tensor, sample: int | None = None) -> torch.Tensor:
@@ -104,7 +106,8 @@ def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tup
 
     Returns (quantized values as float32, scale of shape (B, H, tiles, D)) where tile ``t``
     covers tokens [t·block_n, (t+1)·block_n); with per-channel granularity every tile holds the
-    same scale. ``fp16`` and ``none`` keep V as it is (scale 1; fp16 rounds the values).
+    same scale, with ``channel-dither`` that scale times φ_t (:func:`v_dither`; φ_0 = 1). ``fp16`` and
+    ``none`` keep V as it is (scale 1; fp16 rounds the values).
     """
     b, h, n, d = v.shape
     tiles = max(1, math.ceil(n / block_n))
@@ -114,12 +117,14 @@ def quantize_v(v: torch.Tensor, fmt: str, granularity: str, block_n: int) -> tup
     if granularity not in V_GRANULARITIES:
         raise ValueError(f"v_granularity must be one of {V_GRANULARITIES}, got {granularity!r}")
     qmax = INT_MAX["int8"] if fmt == "int8" else FLOAT_MAX[fmt]
-    if granularity == "channel":
-        amax = v.abs().amax(dim=-2, keepdim=True).expand(b, h, tiles, d)
-    else:
+    if granularity == "block":
         padded = torch.nn.functional.pad(v.abs(), (0, 0, 0, tiles * block_n - n))
         amax = padded.reshape(b, h, tiles, block_n, d).amax(-2)
+    else:
+        amax = v.abs().amax(dim=-2, keepdim=True).expand(b, h, tiles, d)
     scale = amax.clamp_min(SCALE_FLOOR) / qmax
+    if granularity == "channel-dither":
+        scale = scale * torch.tensor([v_dither(t) for t in range(tiles)], device=v.device)[:, None]
     per_token = scale.repeat_interleave(block_n, dim=-2)[..., :n, :]
     scaled = v * reciprocal(per_token)
     if fmt == "int8":

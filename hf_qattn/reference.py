@@ -12,6 +12,7 @@ with the same online softmax in base 2, so a kernel can be compared with it tile
                V̂ per channel (over all keys, or per key tile) in the chosen format, scale δV
     per tile   S = Q̂K̂ᵀ·δQ·δK + ΔS  (times sm_scale·log2 e),  m ← max(m, rowmax S)
                P̃·448 = 2^(S − m + log2 448) ∈ [0, 448],  P̂ = P̃·448 cast to FP8 (static scale)
+               [channel-dither: P̂ = FP8(P̃·448·φ_t), m over S + log2 φ_t, l without φ_t]
                l ← l·2^(m_old − m) + ΣP̃·448,   O ← O·2^(m_old − m) + (P̂V̂)·δV
     epilogue   O ← O / l + v̄  (the 448 cancels),  lse = (m + log2(l / 448))·ln 2 + sm_scale·q·k̄
 
@@ -67,6 +68,7 @@ def quantized_attention(
     smooth_k: bool = True,
     smooth_v: bool = True,
     center_sample: int | None = None,
+    v_center_sample: int | None = None,
     block_m: int = 128,
     block_n: int = 64,
     warp_rows: int = 16,
@@ -84,8 +86,9 @@ def quantized_attention(
 
     qk: "int8" | "int4" | "none";  pv: "fp8_e4m3" | "fp8_e5m2" | "int8" | "fp16" | "none".
     q_granularity / k_granularity: "token" | "warp" (``warp_rows`` rows) | "block" (``block_m`` /
-    ``block_n`` rows) | "tensor". v_granularity: "channel" (over all keys) | "block" (per key tile).
-    center_sample: see :func:`hf_qattn.quant.smoothing_center`. centers: (q̄, k̄, v̄) as (B, H, D) tensors
+    ``block_n`` rows) | "tensor". v_granularity: "channel" (over all keys) | "channel-dither" (the same, times
+    each key tile's dither φ_t, put back into P as the sm90 kernel does) | "block" (per key tile).
+    center_sample: see :func:`hf_qattn.quant.smoothing_center`; v_center_sample: V's, if other than that. centers: (q̄, k̄, v̄) as (B, H, D) tensors
     to use instead (a kernel's own, whose sums ran in another order: a last-bit difference in a center
     can flip a rounding tie, which is not what a kernel-vs-reference comparison is after). split_channel: take
     the channel :func:`hf_qattn.quant.split_channel` finds out of K̂ and add its rank-one term in float,
@@ -103,11 +106,12 @@ def quantized_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qf, kf, vf = q.float(), k.float(), v.float()
 
-    def center(x, on):
-        return quant.smoothing_center(x, center_sample) if on else x.new_zeros(x.shape[:2] + x.shape[-1:])
+    def center(x, on, sample=center_sample):
+        return quant.smoothing_center(x, sample) if on else x.new_zeros(x.shape[:2] + x.shape[-1:])
 
     if centers is None:
-        q_bar, k_bar, v_bar = center(qf, smooth_q), center(kf, smooth_k), center(vf, smooth_v)
+        v_sample = center_sample if v_center_sample is None else v_center_sample
+        q_bar, k_bar, v_bar = center(qf, smooth_q), center(kf, smooth_k), center(vf, smooth_v, v_sample)
     else:
         q_bar, k_bar, v_bar = (c.float() for c in centers)
     qs, ks, vs = qf - q_bar[:, :, None], kf - k_bar[:, :, None], vf - v_bar[:, :, None]
@@ -140,6 +144,7 @@ def quantized_attention(
     k_bar_q = _repeat_kv(k_bar[:, :, None], groups)[:, :, 0]
     row_term = torch.einsum("bhnd,bhd->bhn", qf, k_bar_q) * c
     p_log2 = math.log2(quant.P_SCALE[pv])
+    dither = v_granularity == "channel-dither" and pv not in ("none", "fp16")  # tile 0's scale is δV itself
     m = torch.full((b, hq, nq), -math.inf, device=q.device)
     l = torch.zeros(b, hq, nq, device=q.device)
     acc = torch.zeros(b, hq, nq, dv, device=q.device)
@@ -151,13 +156,15 @@ def quantized_attention(
         if softcap is not None:
             s = soft_cap(s + row_term[..., None], softcap)
         s = s.masked_fill(~visible[..., j0:j1], -math.inf)
-        m_new = torch.maximum(m, s.amax(-1))
+        # V̂'s tile dither φ goes into P (P̂ = FP8(P̃·P_SCALE·φ), and into m so P̂ stays in range), not into l
+        phi = quant.v_dither(tile) if dither else 1.0
+        m_new = torch.maximum(m, s.amax(-1) + math.log2(phi))
         m_safe = torch.where(m_new == -math.inf, 0.0, m_new)  # rows that saw no key yet
-        p_scaled = torch.exp2(s - (m_safe - p_log2)[..., None])  # P̃·P_SCALE: the static scale folded in
+        p_scaled = torch.exp2(s - (m_safe - (p_log2 + math.log2(phi)))[..., None])  # P̃·P_SCALE: scale folded in
         alpha = torch.exp2(m - m_safe)
-        l = l * alpha + p_scaled.sum(-1)
+        l = l * alpha + p_scaled.sum(-1) * (1.0 / phi)
         tile_out = torch.matmul(quant.quantize_p(p_scaled, pv), v_hat[:, :, j0:j1])
-        acc = acc * alpha[..., None] + tile_out * dv_scale[:, :, tile][:, :, None, :]
+        acc = acc * alpha[..., None] + tile_out * dv_scale[:, :, 0 if dither else tile][:, :, None, :]
         m = m_new
 
     # with a soft cap the scores are the true ones: no row term left to add back

@@ -13,6 +13,8 @@ _ROUND_MAGIC_BITS = tl.constexpr(formats.ROUND_MAGIC_BITS)  # see formats
 # Scales never go below this, so an all-zero group quantizes to zeros instead of NaN.
 SCALE_FLOOR = tl.constexpr(formats.SCALE_FLOOR)
 FP8_MAX = tl.constexpr(formats.FP8_E4M3_MAX)
+_V_DITHER_LEVELS = tl.constexpr(formats.V_DITHER_LEVELS)
+_V_DITHER_STEP = tl.constexpr(formats.V_DITHER_STEP)
 LOG2E = tl.constexpr(formats.LOG2E)  # the softmax runs in base 2
 
 
@@ -76,3 +78,10 @@ def to_fp8_e4m3(x, GRID_ROUND: tl.constexpr):
         step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
         x = round_half_even(x / step) * step
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def v_dither(tile):
+    """φ_t of key tile ``tile``, the factor on V's per-channel scale that varies its FP8 rounding from tile to
+    tile (formats.V_DITHER_LEVELS says why); exact in float32, so the PyTorch reference rounds alike."""
+    return 1.0 + ((tile * _V_DITHER_STEP) % _V_DITHER_LEVELS).to(tl.float32) / _V_DITHER_LEVELS

@@ -17,6 +17,22 @@ FLOAT_MAX = {"fp8_e4m3": FP8_E4M3_MAX, "fp8_e5m2": 57344.0}
 P_SCALE = {"fp8_e4m3": FP8_E4M3_MAX, "fp8_e5m2": 57344.0, "int8": 127.0, "fp16": 1.0, "none": 1.0}
 P_LOG2_FP8 = math.log2(FP8_E4M3_MAX)  # the kernels fold the FP8 scale into exp2
 
+# V's tile dither. With one scale per channel over all keys, every copy of a value of V (bf16 holds a few
+# thousand distinct values a channel) rounds to FP8 the same way, so V̂'s rounding error keeps a mean over
+# the keys that no sequence length averages away, while attention's output over many keys shrinks toward
+# V's mean: measured on the H100, zero-mean V, cos to float32 0.99595 at 262k keys against 0.99921 at 4k
+# (eval/results/v-dither-*.md). Key tile t is quantized with δV·φ_t, φ_t = 1 + ((t·STEP) mod LEVELS) / LEVELS
+# ∈ [1, 2) (exact in float32: a power-of-two denominator), so a value's rounding changes from tile to tile;
+# the kernel puts φ_t back into P (P̂ = FP8(P·φ_t), l summing P alone), not into the output's δV.
+V_DITHER_LEVELS = 64
+V_DITHER_STEP = 37  # odd: 64 consecutive tiles take every level once
+
+
+def v_dither(tile: int) -> float:
+    """φ_t of key tile ``tile`` (see V_DITHER_LEVELS)."""
+    return 1.0 + ((tile * V_DITHER_STEP) % V_DITHER_LEVELS) / V_DITHER_LEVELS
+
+
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30
 

@@ -30,8 +30,8 @@ from .quantize import centers_kernel, quantize_kv_kernel
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
                       v_range: torch.Tensor | None = None, block_n: int = 128, k_range: torch.Tensor | None = None,
                       maxnreg: int = 0):
-    """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off. Each program
-    sums ``rows`` sampled tokens a step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the
+    """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off; V's from more
+    sampled tokens than Q's and K's (kernels.json says why). Each program sums ``rows`` sampled tokens a step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the
     same launch also writes V's range per channel there (see ``centers_kernel``); ``k_range``, the same for
     K (the K/V pass picks the split channel from it). Measured on the H100 (d128
     B4 H32, GPU µs at 1k / 2k / 8k): this launch at 4 warps 30 / 47 / 142, the centers and a separate 16-warp
@@ -39,14 +39,14 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, r
     host ≈ 40–50 µs a call."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    sample = tuning.center_sample()
+    sample, v_sample = tuning.center_sample(), tuning.v_center_sample()
     centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
     tiles = math.ceil(nk / block_n)
     range_programs = b * hk * tiles * ((v_range is not None) + (k_range is not None))
     fast(centers_kernel)[(b * hq + 2 * b * hk + range_programs,)](
         q, k, v, centers, v_range, k_range, *q.stride(), *k.stride(), *v.stride(),
         hq, hk, b * hq, b * hk, nq, nk, math.ceil(nq / sample) if nq > sample else 1,
-        math.ceil(nk / sample) if nk > sample else 1, tiles,
+        math.ceil(nk / sample) if nk > sample else 1, math.ceil(nk / v_sample) if nk > v_sample else 1, tiles,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows, BLOCK_N=block_n,
         SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, WITH_V_RANGE=v_range is not None,
         WITH_K_RANGE=k_range is not None, num_warps=num_warps, **tuning.register_cap(maxnreg),

@@ -14,7 +14,9 @@ and a power-of-two head dim so the attention kernel's main loop needs no bounds 
                                           FP8 tensor cores need P·V's B operand K-major
     vs   fp32  (B·Hk, T, D_PAD)         δV per (tile, channel); or, with V_CHANNEL_SCALE, (B·Hk, 2, D_PAD)
                                         V's range per channel over all keys (written by ``centers_kernel``,
-                                        read here), from which δV = max |V − v̄| / 448
+                                        read here), from which δV = max |V − v̄| / 448; tile t is then
+                                        quantized with δV·φ_t (formats.v_dither: its tile dither)
+                                        and ΔS of its keys holds + log2 φ_t, so that P carries φ_t
     ds   fp32  (B·Hq [+ B·Hk], NK_PAD)  rows [0, B·Hq): ΔS·sm_scale·log2 e for each query head of the
                                         group, −inf for keys outside [kv_start, kv_end) and padding keys,
                                         from the K tile while it is in registers. With SPLIT, rows
@@ -36,7 +38,7 @@ the rows that see it come out NaN, as with full-precision attention.
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, SCALE_FLOOR, quantize_symmetric, scale_to_fp8
+from .common import FP8_MAX, SCALE_FLOOR, quantize_symmetric, scale_to_fp8, v_dither
 
 # A channel whose range over all keys reaches this many times the head's mean channel range is split out
 # of K̂ (hf_qattn.quant.SPLIT_RATIO; the reference uses the same rule).
@@ -76,7 +78,7 @@ def centers_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, KEY_TILES,
+    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, STEP_V, KEY_TILES,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, WITH_V_RANGE: tl.constexpr,
     WITH_K_RANGE: tl.constexpr,
@@ -105,7 +107,7 @@ def centers_kernel(
         bh = pid - NUM_Q - NUM_KV
         if SMOOTH_V:
             mean = _sampled_mean(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh,
-                                 stride_vn, stride_vd, NK, STEP_K, cols, HEAD_DIM, D_PAD, ROWS)
+                                 stride_vn, stride_vd, NK, STEP_V, cols, HEAD_DIM, D_PAD, ROWS)
         tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
     else:  # range programs: V's key tiles (WITH_V_RANGE), then K's (WITH_K_RANGE)
         t = pid - NUM_Q - 2 * NUM_KV
@@ -173,17 +175,18 @@ def _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stri
 
 @triton.jit
 def _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
-                       HEAD_DIM: tl.constexpr, HAS_KV_RANGE: tl.constexpr):
+                       dither_log2, HEAD_DIM: tl.constexpr, HAS_KV_RANGE: tl.constexpr):
     """ΔS = q̄·(K − k̄)ᵀ·score_coef for each query head reading this kv head, from the unquantized,
     centered K tile ``k``; −inf for keys outside the sequence's [kv_start, kv_end) and for padding,
-    so they weigh nothing in softmax."""
+    so they weigh nothing in softmax. Plus ``dither_log2`` (log2 φ of V̂'s tile dither, or 0): P then
+    carries φ at no cost to the attention kernel's softmax."""
     visible = rows < NK
     if HAS_KV_RANGE:
         visible = visible & (rows >= tl.load(KV_START + b)) & (rows < tl.load(KV_END + b))
     for g in range(GROUPS):
         bhq = b * HK * GROUPS + hk * GROUPS + g
         q_bar = tl.load(Q_BAR + bhq * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
-        ds = tl.sum(k * q_bar[None, :], axis=1) * score_coef
+        ds = tl.sum(k * q_bar[None, :], axis=1) * score_coef + dither_log2
         tl.store(DS + bhq * NK_PAD + rows, tl.where(visible, ds, float("-inf")))
 
 
@@ -209,8 +212,12 @@ def quantize_kv_kernel(
     # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
     k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
     # ΔS from this tile while K is in registers (a pass of its own would read K again)
+    # with per-channel V scales, V̂'s tile dither φ (common.v_dither): δV·φ below, log2 φ into ΔS
+    dither_log2 = 0.0
+    if V_CHANNEL_SCALE:
+        dither_log2 = tl.log2(v_dither(tile))
     _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
-                       HEAD_DIM, HAS_KV_RANGE)
+                       dither_log2, HEAD_DIM, HAS_KV_RANGE)
     if SPLIT:  # the split channel leaves K̂ (before the scale: it must not set it) and is kept in float as kc
         channel = _split_channel(K_RANGE, K_BAR, bh, cols, HEAD_DIM, D_PAD)
         if tile == 0:
@@ -236,8 +243,9 @@ def quantize_kv_kernel(
                 mask=v_inside, other=0.0).to(tl.float32)
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(v_inside, v - v_bar[None, :], 0.0)
-    if V_CHANNEL_SCALE:  # per channel over all keys, from V's range (centers_kernel wrote it into VS)
-        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / FP8_MAX
+    if V_CHANNEL_SCALE:  # per channel over all keys, from V's range (centers_kernel wrote it into VS),
+        # times the tile's dither φ, which the attention kernel puts into P (common.v_dither)
+        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / FP8_MAX * v_dither(tile)
         vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     elif V_FP8:
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / FP8_MAX

@@ -91,6 +91,10 @@ def center_sample() -> int:
     return int(table()["center_sample"])
 
 
+def v_center_sample() -> int:
+    return int(table()["v_center_sample"])
+
+
 def register_cap(maxnreg: int) -> dict:
     """The launch option capping a kernel's registers a thread (0: none; the interpreter takes no such option)."""
     return {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
@@ -113,12 +117,14 @@ def reference_settings(config: dict) -> dict:
         "k_granularity": "token" if config["K_TOKEN_SCALE"] else "block",
         "v_granularity": "block",
         "center_sample": center_sample(),
+        "v_center_sample": v_center_sample(),
     }
 
 
 def hopper_reference_settings() -> dict:
     """Keywords for :func:`hf_qattn.reference.quantized_attention` that simulate the sm90 Gluon kernel:
-    Q per token, K per 128-key tile, V per channel over all keys."""
+    Q per token, K per 128-key tile, V per channel over all keys with the tile dither."""
     return {"block_m": 128, "block_n": hopper_config(128)["BLOCK_N"], "warp_rows": 16, "q_granularity": "token",
-            "k_granularity": "block", "v_granularity": "channel", "center_sample": center_sample()}
+            "k_granularity": "block", "v_granularity": "channel-dither", "center_sample": center_sample(),
+            "v_center_sample": v_center_sample()}
 

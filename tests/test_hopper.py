@@ -8,6 +8,7 @@ reference there, case by case (results in ``eval/results/check-hopper-*.md``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def test_kv_pass_hopper_layout_matches_the_reference_quantization():
     # the centers match the reference's up to float summation order; exact comparisons below use the
     # pass's own centers, so a last-bit difference in v̄ or k̄ cannot flip a rounding tie
     v_bar, k_bar = kv.v_bar.view(b, hk, d), kv.k_bar.view(b, hk, d)
-    torch.testing.assert_close(v_bar, quant.smoothing_center(v, tuning.center_sample()))
+    torch.testing.assert_close(v_bar, quant.smoothing_center(v, tuning.v_center_sample()))
     torch.testing.assert_close(k_bar, quant.smoothing_center(k, tuning.center_sample()))
     v_smooth = v - v_bar[:, :, None]
     # V's range per channel over all keys (max V, max −V), from which max |V − v̄| follows exactly
@@ -111,7 +112,7 @@ def test_kv_pass_hopper_layout_matches_the_reference_quantization():
     assert torch.isinf(kv.vs.view(b, hk, 2, -1)[..., d:]).all(), "padding channels keep −inf"
     absmax = torch.maximum(v_range[:, :, 0] - v_bar, v_bar + v_range[:, :, 1])
     assert torch.equal(absmax, v_smooth.abs().amax(2))
-    v_hat, _ = quant.quantize_v(v_smooth, "fp8_e4m3", "channel", 128)
+    v_hat, _ = quant.quantize_v(v_smooth, "fp8_e4m3", "channel-dither", 128)  # 3 tiles: 3 dithers
     stored = kv.vq.view(b, hk, d, kv.nk_pad).float()
     by_token = torch.empty_like(stored)
     by_token[..., _key_of_column(kv.nk_pad).to(DEVICE)] = stored
@@ -136,7 +137,7 @@ def test_kv_pass_writes_minus_inf_delta_s_outside_key_ranges_and_padding():
 
 def test_kv_pass_delta_s_is_the_smoothing_term_of_each_query_head():
     """ΔS, written by the K/V pass from the K tile it quantizes, is q̄·(K − k̄)ᵀ·sm_scale·log2 e for each
-    query head of the group (GQA, key ranges, padding)."""
+    query head of the group (GQA, key ranges, padding), plus log2 φ_t of V̂'s tile dither."""
     b, hq, hk, n, d = 2, 4, 2, 300, 64
     q, k = _randn(b, hq, n, d), _randn(b, hk, n, d) + _randn(1, hk, 1, d)
     v = _randn(b, hk, n, d)
@@ -147,6 +148,7 @@ def test_kv_pass_delta_s_is_the_smoothing_term_of_each_query_head():
     k_centered = k - kv.k_bar.view(b, hk, 1, d)
     want = torch.einsum("bgd,bgnd->bgn", kv.q_bar.view(b, hk, hq // hk, d).flatten(1, 2),
                         k_centered.repeat_interleave(hq // hk, dim=1)) * 0.3 * launch.LOG2E
+    want = want + torch.tensor([math.log2(quant.v_dither(j // 128)) for j in range(n)], device=DEVICE)
     got = kv.delta_s.view(b, hq, -1)[..., :n]
     keys = torch.arange(n, device=DEVICE)
     inside = (keys >= start.view(-1, 1, 1)) & (keys < end.view(-1, 1, 1))
