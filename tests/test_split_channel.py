@@ -6,6 +6,8 @@ tests/test_kernels.py; the Hopper kernel's, in eval/check_device.py on the GPU.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -115,3 +117,28 @@ def test_calibration_marks_the_layer_with_an_outlier_channel_and_fixes_it(seed):
     # and the plan round-trips: a plan without split layers writes no key, so older plans stay as they were
     assert "split_channel" not in hf_qattn.QAttnPlan(default="int8").to_dict()
     assert hf_qattn.QAttnPlan.from_dict(model.config.qattn_plan).splits(0)
+
+
+def test_an_uncalibrated_model_warns_once_naming_the_layer_with_an_outlier_channel(seed, monkeypatch):
+    """Issue 24: without a plan that splits it, a layer whose K has a zero-mean outlier channel warns (once,
+    naming the layer); a layer or model without one, or a user who turned the split on, hears nothing."""
+    monkeypatch.delenv("HF_QATTN_SPLIT_CHANNEL", raising=False)
+    model = _llama_with_an_outlier_channel()
+    ids = torch.randint(1, 128, (2, 256))
+    with pytest.warns(UserWarning, match=r"layer 0: a key channel of 1 of 2 kv heads") as caught:
+        with torch.no_grad():
+            model(ids)
+    assert not any("layer 1" in str(w.message) for w in caught), "layer 1 has no outlier"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(torch.randint(1, 128, (2, 600)))  # longer, so looked at again: warned already, silent
+    for switched_on in (False, True):
+        clean = _llama_with_an_outlier_channel(size=0.0)
+        if switched_on:
+            clean = _llama_with_an_outlier_channel()
+            monkeypatch.setenv("HF_QATTN_SPLIT_CHANNEL", "1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                clean(ids)

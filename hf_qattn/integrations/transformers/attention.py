@@ -36,10 +36,12 @@ import math
 import numbers
 import sys
 import threading
+import warnings
 
 import torch
 
-from ... import api, masks, ops, reference, support
+from ... import api, masks, ops, quant, reference, support
+from ...kernels import settings, tuning
 from ...kv_cache import attention as kv_attention
 from ...masks import MaskPattern
 from ...plan import DEFAULT_PRECISION, PLAN_CONFIG_KEY, UNQUANTIZED, PlanError, QAttnPlan  # noqa: F401 (re-exported)
@@ -436,8 +438,34 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
+    if split is None and not settings.split_channel():
+        _watch_outlier_channel(module, key)
     out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _watch_outlier_channel(module, key: torch.Tensor) -> None:
+    """Warn once per layer when its K holds a channel that needs the split (``quant.split_channel``: a zero-mean
+    outlier, which smoothing cannot remove and which crushes K's other channels to a few INT8 levels) and nothing
+    turns the split on: a model no calibration marked (``calibrate`` records such layers in the plan), without
+    ``HF_QATTN_SPLIT_CHANNEL=1``. Looked at on the layer's first call and whenever its key count has doubled
+    since (RoPE can raise an outlier only over a long context): a read of K and one host sync each, so a few per
+    layer in a model's life; never while compiling or capturing a CUDA graph, where a sync cannot run."""
+    if getattr(module, "_qattn_outlier_warned", False) or key.shape[-2] < 2 * getattr(module, "_qattn_outlier_seen", 0):
+        return
+    if torch.compiler.is_compiling() or (key.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    module._qattn_outlier_seen = key.shape[-2]
+    found = quant.split_channel(key, quant.smoothing_center(key, tuning.center_sample())) >= 0  # (B, Hk)
+    if bool(found.any()):
+        module._qattn_outlier_warned = True
+        index = layer_index(module)
+        where = f"layer {index}" if index is not None else type(module).__name__
+        warnings.warn(f"hf_qattn: {where}: a key channel of {int(found.any(0).sum())} of {found.shape[1]} kv heads is "
+                      f"a zero-mean outlier (range ≥ {quant.SPLIT_RATIO:g}× the head's mean channel), which INT8 Q·Kᵀ "
+                      "cannot hold: this layer's attention may be far off. Calibrate the model (hf_qattn.calibrate or "
+                      "`hf-qattn calibrate`: the plan then splits the channel out in such layers only) or set "
+                      "HF_QATTN_SPLIT_CHANNEL=1.", stacklevel=2)
 
 
 def _quantized(query, key, value, pattern: MaskPattern, precision: str, scaling, split_channel: bool | None,
