@@ -69,6 +69,7 @@ class QuantizedKV:
     v_bar: torch.Tensor
     nk_pad: int
     tiles: int
+    v_dither: bool = False  # V̂'s tile dither (kernels/formats.py): ΔS holds log2 φ
 
     @property
     def with_split(self) -> bool:
@@ -89,10 +90,11 @@ class QuantizedKV:
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
                 permute_v: bool = False, num_warps: int | None = None,
-                split: bool = False, maxnreg: tuple[int, int] = (0, 0)) -> QuantizedKV:
+                split: bool = False, v_dither: bool = False, maxnreg: tuple[int, int] = (0, 0)) -> QuantizedKV:
     """Centers (and, for per-channel V scales, V's range: one read of V in the same launch), then one
     pass over K and V (which also writes ΔS).
     ``split``: also K's split channel per kv head (kernels/quantize.py), out of K̂ and into ``kc``.
+    ``v_dither`` (with per-channel V scales): V̂'s tile dither, its log2 φ into ΔS (kernels/formats.py).
     ``maxnreg``: register caps a thread of the centers launch and of the K/V pass (0: none)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -121,11 +123,12 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
         *k.stride(), *v.stride(),
         hk, hq // hk, nk, nk_pad, tiles, sm_scale * LOG2E,
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, QK_MAX=INT_MAX[qk],
-        K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, PERMUTE_V=permute_v,
+        K_TOKEN_SCALE=k_token_scale, V_FP8=v_fp8, V_CHANNEL_SCALE=v_channel_scale, V_DITHER=v_dither,
+        PERMUTE_V=permute_v,
         HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), SPLIT=split,
         num_warps=num_warps, **tuning.register_cap(maxnreg[1]),
     )
-    return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles)
+    return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles, v_dither)
 
 
 def _key_spans(window: int, chunk: int, nk: int) -> tuple[int, int]:
@@ -233,7 +236,7 @@ def hopper_attention(
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
                      k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"],
-                     split=split_channel)
+                     split=split_channel, v_dither=tuning.v_dither(bool(softcap)))
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
                                 persistent=persistent, pv_tiles=pv_tiles, window=window, chunk=chunk, sinks=sinks,
@@ -270,7 +273,8 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
         P_LOG2=P_LOG2_FP8, RETURN_LSE=return_lse, PERSISTENT=persistent,
         SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"],
-        WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap), num_warps=4,
+        WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
+        V_DITHER=kv.v_dither, num_warps=4,
     )
     return lse
 

@@ -199,7 +199,7 @@ def quantize_kv_kernel(
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, V_CHANNEL_SCALE: tl.constexpr,
-    PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr,
+    V_DITHER: tl.constexpr, PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
@@ -212,9 +212,9 @@ def quantize_kv_kernel(
     # --- K: subtract k̄, scale per token or per tile, round to the integer grid.
     k = _centered_k_tile(K, K_BAR, b, hk, bh, rows, cols, stride_kb, stride_kh, stride_kn, stride_kd, NK, HEAD_DIM)
     # ΔS from this tile while K is in registers (a pass of its own would read K again)
-    # with per-channel V scales, V̂'s tile dither φ (common.v_dither): δV·φ below, log2 φ into ΔS
+    # V_DITHER (with per-channel V scales): V̂'s tile dither φ (common.v_dither): δV·φ below, log2 φ into ΔS
     dither_log2 = 0.0
-    if V_CHANNEL_SCALE:
+    if V_DITHER:
         dither_log2 = tl.log2(v_dither(tile))
     _delta_scores_tile(k, rows, cols, b, hk, Q_BAR, KV_START, KV_END, DS, HK, GROUPS, NK, NK_PAD, score_coef,
                        dither_log2, HEAD_DIM, HAS_KV_RANGE)
@@ -244,8 +244,9 @@ def quantize_kv_kernel(
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
     v = tl.where(v_inside, v - v_bar[None, :], 0.0)
     if V_CHANNEL_SCALE:  # per channel over all keys, from V's range (centers_kernel wrote it into VS),
-        # times the tile's dither φ, which the attention kernel puts into P (common.v_dither)
-        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / FP8_MAX * v_dither(tile)
+        v_scale = tl.maximum(v_channel_absmax(VS, bh, v_bar, cols, D_PAD), SCALE_FLOOR) / FP8_MAX
+        if V_DITHER:  # times the tile's dither φ, which the attention kernel puts into P (common.v_dither)
+            v_scale = v_scale * v_dither(tile)
         vq = scale_to_fp8(v, v_scale[None, :], GRID_ROUND)
     elif V_FP8:
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), SCALE_FLOOR) / FP8_MAX

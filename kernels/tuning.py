@@ -121,10 +121,17 @@ def reference_settings(config: dict) -> dict:
     }
 
 
-def hopper_reference_settings() -> dict:
+def v_dither(softcap: bool) -> bool:
+    """Whether the sm90 kernel quantizes V with its tile dither (kernels/formats.py): always but under a soft
+    cap, where the one more per-row term left a main loop spilling (d256 with every variant; offline_build);
+    soft-capped models (Gemma 2) hold 8k tokens, and the error the dither removes shows from 32k."""
+    return not softcap
+
+
+def hopper_reference_settings(softcap: bool = False) -> dict:
     """Keywords for :func:`hf_qattn.reference.quantized_attention` that simulate the sm90 Gluon kernel:
-    Q per token, K per 128-key tile, V per channel over all keys with the tile dither."""
+    Q per token, K per 128-key tile, V per channel over all keys (with the tile dither unless ``softcap``)."""
     return {"block_m": 128, "block_n": hopper_config(128)["BLOCK_N"], "warp_rows": 16, "q_granularity": "token",
-            "k_granularity": "block", "v_granularity": "channel-dither", "center_sample": center_sample(),
-            "v_center_sample": v_center_sample()}
+            "k_granularity": "block", "v_granularity": "channel-dither" if v_dither(softcap) else "channel",
+            "center_sample": center_sample(), "v_center_sample": v_center_sample()}
 

@@ -86,7 +86,7 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
 def _hopper_pass(q, k, v, kv_start=None, kv_end=None):
     return launch.quantize_kv(q, k, v, sm_scale=q.shape[-1] ** -0.5, qk="int8", v_fp8=True, smooth_q=True,
                               smooth_k=True, smooth_v=True, kv_start=kv_start, kv_end=kv_end, block_n=128,
-                              k_token_scale=False, v_channel_scale=True, permute_v=True)
+                              k_token_scale=False, v_channel_scale=True, permute_v=True, v_dither=True)
 
 
 def _key_of_column(nk_pad: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ def test_kv_pass_delta_s_is_the_smoothing_term_of_each_query_head():
     start, end = _int32([0, 37]), _int32([300, 250])
     kv = launch.quantize_kv(q, k, v, sm_scale=0.3, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
                             smooth_v=True, kv_start=start, kv_end=end, block_n=128, k_token_scale=False,
-                            v_channel_scale=True, permute_v=True)
+                            v_channel_scale=True, permute_v=True, v_dither=True)
     k_centered = k - kv.k_bar.view(b, hk, 1, d)
     want = torch.einsum("bgd,bgnd->bgn", kv.q_bar.view(b, hk, hq // hk, d).flatten(1, 2),
                         k_centered.repeat_interleave(hq // hk, dim=1)) * 0.3 * launch.LOG2E

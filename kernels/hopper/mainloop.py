@@ -11,7 +11,7 @@ cores, the softmax of tile j+1 runs on the FP32/MUFU units:
     issue  S(j+1) = Q̂·K̂(j+1)ᵀ          INT8 wgmma, int32 accumulator
     issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O
     wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS + qc·kc,  m, l,  P = 2^(s − m + log2 448)
-                                   (ΔS includes log2 φ, V̂'s tile dither (common.v_dither): l sums P / φ)
+                                   [V_DITHER: ΔS includes log2 φ, V̂'s tile dither: l sums P / φ]
                                    (qc·kc: K's split channel, rank one; only for kv heads that have one)
                                    [SOFTCAP: s ← c·tanh(s_true / c)·log2 e, s_true = s / log2 e + sm_scale·q·k̄]
     wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)
@@ -137,9 +137,8 @@ def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile
         s = qk.to(gl.float32) * (q_coef * k_scale)[:, None] + ds[None, :]
     if cfg.SPLIT:  # the rank-one term of K's split channel (kc and q_split are 0 for kv heads without one)
         s += q_split[:, None] * kc_tile.load(gl.SliceLayout(0, qk_layout))[None, :]
-    if cfg.SOFTCAP:  # the cap applies to the score, not to the dither's log2 φ that ΔS carries
-        log2_phi = gl.log2(_v_dither(tile))
-        s = _softcap(s - log2_phi, q_cap, cap_in, cap_out) + log2_phi
+    if cfg.SOFTCAP:
+        s = _softcap(s, q_cap, cap_in, cap_out)
     # keys outside [kv_start, kv_end) and padding keys already hold ΔS = −inf (the K/V pass wrote it);
     # only the causal diagonal (and a window's or chunk's start) is masked here, in the few tiles that cross it
     start = tile * BLOCK_N
@@ -158,8 +157,10 @@ def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile
     m_use = _scaling_max(m_new)
     p = gl.exp2(s - (m_use - cfg.P_LOG2)[:, None])
     alpha = gl.exp2(m_i - m_use)
-    # P carries the tile's dither φ (ΔS holds log2 φ, so the maximum includes it and P̂ ≤ 448); l sums P without it
-    l_i = l_i * alpha + gl.sum(p, axis=1) * (1.0 / _v_dither(tile))
+    if cfg.V_DITHER:  # P carries the tile's dither φ (ΔS holds log2 φ, so m includes it and P̂ ≤ 448); l does not
+        l_i = l_i * alpha + gl.fdiv(gl.sum(p, axis=1), _v_dither(tile))
+    else:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
 
 

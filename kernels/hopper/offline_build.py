@@ -67,7 +67,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
-                  "PV_TILES": pv_tiles, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks, "SOFTCAP": softcap}
+                  "PV_TILES": pv_tiles, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks, "SOFTCAP": softcap,
+                  "V_DITHER": tuning.v_dither(softcap)}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names

@@ -31,7 +31,8 @@ class Config:
     (mainloop.py). The switches: CAUSAL, HAS_KV_RANGE (KV_END is given), K_TOKEN_SCALE (δK per token, not
     per tile), RETURN_LSE, PERSISTENT (scheduler.py), SPLIT (K's split channel), and the attention variants
     (their sizes are runtime values in Problem): WINDOW (sliding window), CHUNK (chunked attention), SINKS
-    (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores)."""
+    (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores).
+    V_DITHER: V̂ was quantized with its tile dither (kernels/formats.py), whose log2 φ ΔS carries: l sums P / φ."""
     HEAD_DIM: gl.constexpr
     D_PAD: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -50,10 +51,11 @@ class Config:
     CHUNK: gl.constexpr
     SINKS: gl.constexpr
     SOFTCAP: gl.constexpr
+    V_DITHER: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE,
-                 P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP):
+                 P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.D_PAD = gl.constexpr(D_PAD)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -72,6 +74,7 @@ class Config:
         self.CHUNK = gl.constexpr(CHUNK)
         self.SINKS = gl.constexpr(SINKS)
         self.SOFTCAP = gl.constexpr(SOFTCAP)
+        self.V_DITHER = gl.constexpr(V_DITHER)
 
 
 @aggregate
