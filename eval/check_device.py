@@ -23,6 +23,7 @@ import argparse
 import math
 import pathlib
 import sys
+import zlib
 
 import torch
 import triton
@@ -85,8 +86,8 @@ def key_range(case, device):
 def run_case(case):
     dev = "cuda"
     b, hq, hk, nq, nk, d = (case[x] for x in ("b", "hq", "hk", "nq", "nk", "d"))
-    q, k, v = outlier_qkv(b, hq, max(nq, nk), d, kv_heads=hk, seed=hash(str(case)) % 1000, dtype=case["dtype"],
-                          device=dev)
+    q, k, v = outlier_qkv(b, hq, max(nq, nk), d, kv_heads=hk, seed=zlib.crc32(str(case).encode()) % 1000,
+                          dtype=case["dtype"], device=dev)  # crc32, not hash(): the same inputs in every run
     q, k, v = q[:, :, :nq], k[:, :, :nk], v[:, :, :nk]
     if case["split"]:  # channel 5 of the first kv head: ±30,000 on alternating keys (mean 0)
         k = k.clone()
@@ -113,10 +114,16 @@ def run_case(case):
     ref_l1 = accuracy(ref, exact).rel_l1
     lse_diff, lse_ok = 0.0, True
     if case["lse"]:
-        # to 0.01, plus 64 float32 ulps of the lse's size (a split channel's scores reach |lse| ~ 1e4);
+        # to 0.01, plus 64 float32 ulps of the largest term of the row's scores: the lse's size, or the split
+        # channel's q_c·k_c, which reaches 1e4 and may cancel against the rest (kernel and reference add the
+        # terms in another order: measured gaps 0.010–0.047 over 8 seeds, with or without V̂'s dither);
         # rows that see no key must agree on −inf too
         gap = (lse - ref_lse).abs().nan_to_num(0.0)
-        lse_tol = 0.01 + 4e-6 * ref_lse.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        size = ref_lse.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        if case["split"]:
+            reads_head0 = (torch.arange(hq, device=dev) < hq // hk)[None, :, None]
+            size = torch.maximum(size, torch.where(reads_head0, q[..., 5].float().abs() * 3e4 * sm_scale, 0.0))
+        lse_tol = 0.01 + 4e-6 * size
         lse_diff = gap.max().item()
         lse_ok = bool((gap <= lse_tol).all()) and not bool((torch.isinf(lse) != torch.isinf(ref_lse)).any())
     cos = accuracy(out, exact).cos_sim
@@ -141,7 +148,8 @@ def length_case():
     """The error must not grow with the number of keys (FP8 P·V summed in one wgmma accumulator did:
     RelL1 7× from 4k to 131k keys, and cos 0.36 on zero-mean V at 131k). B1 H4 d128 bf16, 2,048 rows
     against float32 (eval/accuracy_length.py's inputs): RelL1 at 131k ≤ 1.2× at 4k with V of mean 0.3,
-    and cos ≥ 0.995 at 131k with zero-mean V (measured 0.9969 with two-level accumulation)."""
+    and cos ≥ 0.999 at 131k with zero-mean V (0.9969 with two-level accumulation alone; 0.9992 with V̂'s tile
+    dither, eval/results/v-dither-*.md)."""
     result = {}
     for v_kind, n in (("v-mean", 4096), ("v-mean", 131072), ("v-zero", 131072)):
         q, k, v = length_inputs(n, v_kind)
@@ -150,7 +158,7 @@ def length_case():
                                      reference_rows(q, k, v, rows))
     growth = result["v-mean", 131072].rel_l1 / result["v-mean", 4096].rel_l1
     cos = result["v-zero", 131072].cos_sim
-    return growth <= 1.2 and cos >= 0.995, {"RelL1 131k / 4k": growth, "zero-mean V cos 131k": cos}
+    return growth <= 1.2 and cos >= 0.999, {"RelL1 131k / 4k": growth, "zero-mean V cos 131k": cos}
 
 
 def describe(case):
