@@ -88,11 +88,11 @@ def quantized_attention(
     q_granularity / k_granularity: "token" | "warp" (``warp_rows`` rows) | "block" (``block_m`` /
     ``block_n`` rows) | "tensor". v_granularity: "channel" (over all keys) | "channel-dither" (the same, times
     each key tile's dither φ_t, put back into P as the sm90 kernel does) | "block" (per key tile).
-    center_sample: see :func:`hf_qattn.quant.smoothing_center`; v_center_sample: V's, if other than that. centers: (q̄, k̄, v̄) as (B, H, D) tensors
-    to use instead (a kernel's own, whose sums ran in another order: a last-bit difference in a center
-    can flip a rounding tie, which is not what a kernel-vs-reference comparison is after). split_channel: take
-    the channel :func:`hf_qattn.quant.split_channel` finds out of K̂ and add its rank-one term in float,
-    as the kernels do with ``qattn(split_channel=True)``. window, chunk, sinks (Hq,), softcap: the variants
+    center_sample: see :func:`hf_qattn.quant.smoothing_center`; v_center_sample: V's, if other than that.
+    centers: (q̄, k̄, v̄) as (B, H, D) tensors to use instead (a kernel's own, whose sums ran in another order:
+    a last-bit difference in a center can flip a rounding tie, which is not what a kernel-vs-reference
+    comparison is after). split_channel: take the channel :func:`hf_qattn.quant.split_channel` finds out of
+    K̂ and add its rank-one term in float, as the kernels do with ``qattn(split_channel=True)``. window, chunk, sinks (Hq,), softcap: the variants
     of :func:`hf_qattn.qattn`, computed as the module docstring says. Returns O, or (O, lse) with lse
     (B, Hq, Nq) float32 in natural-log units of the scaled scores (sinks included, scores capped).
     """

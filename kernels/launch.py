@@ -31,10 +31,10 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, r
                       v_range: torch.Tensor | None = None, block_n: int = 128, k_range: torch.Tensor | None = None,
                       maxnreg: int = 0):
     """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off; V's from more
-    sampled tokens than Q's and K's (kernels.json says why). Each program sums ``rows`` sampled tokens a step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the
-    same launch also writes V's range per channel there (see ``centers_kernel``); ``k_range``, the same for
-    K (the K/V pass picks the split channel from it). Measured on the H100 (d128
-    B4 H32, GPU µs at 1k / 2k / 8k): this launch at 4 warps 30 / 47 / 142, the centers and a separate 16-warp
+    sampled tokens than Q's and K's (kernels.json says why). Each program sums ``rows`` sampled tokens a
+    step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the same launch also writes V's range per
+    channel there (see ``centers_kernel``); ``k_range``, the same for K (the K/V pass picks the split channel
+    from it). Measured on the H100 (d128 B4 H32, GPU µs at 1k / 2k / 8k): this launch at 4 warps 30 / 47 / 142, the centers and a separate 16-warp
     V-max kernel 36 / 49 / 113, this launch at 16 warps 61 / 107 / 370; one launch fewer also saves the
     host ≈ 40–50 µs a call."""
     b, hq, nq, d = q.shape

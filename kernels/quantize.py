@@ -199,7 +199,8 @@ def quantize_kv_kernel(
     HK, GROUPS, NK, NK_PAD, NUM_TILES, score_coef,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MAX: tl.constexpr, K_TOKEN_SCALE: tl.constexpr, V_FP8: tl.constexpr, V_CHANNEL_SCALE: tl.constexpr,
-    V_DITHER: tl.constexpr, PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr, SPLIT: tl.constexpr,
+    V_DITHER: tl.constexpr, PERMUTE_V: tl.constexpr, HAS_KV_RANGE: tl.constexpr, GRID_ROUND: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk

@@ -438,7 +438,7 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
-    if split is None and not settings.split_channel():
+    if split is None:
         _watch_outlier_channel(module, key)
     out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
     return out.transpose(1, 2).contiguous(), None
@@ -451,9 +451,11 @@ def _watch_outlier_channel(module, key: torch.Tensor) -> None:
     ``HF_QATTN_SPLIT_CHANNEL=1``. Looked at on the layer's first call and whenever its key count has doubled
     since (RoPE can raise an outlier only over a long context): a read of K and one host sync each, so a few per
     layer in a model's life; never while compiling or capturing a CUDA graph, where a sync cannot run."""
-    if getattr(module, "_qattn_outlier_warned", False) or key.shape[-2] < 2 * getattr(module, "_qattn_outlier_seen", 0):
-        return
-    if torch.compiler.is_compiling() or (key.is_cuda and torch.cuda.is_current_stream_capturing()):
+    seen = getattr(module, "_qattn_outlier_seen", 0)
+    if getattr(module, "_qattn_outlier_warned", False) or key.shape[-2] < 2 * seen:
+        return  # the common case: two attribute reads a call
+    if settings.split_channel() or torch.compiler.is_compiling() or (
+            key.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     module._qattn_outlier_seen = key.shape[-2]
     found = quant.split_channel(key, quant.smoothing_center(key, tuning.center_sample())) >= 0  # (B, Hk)
