@@ -246,9 +246,10 @@ def hopper_attention(
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
                          kv_end, return_lse: bool, stages: int, persistent: bool | None = None,
                          pv_tiles: int | None = None, window: int = 0, chunk: int = 0,
-                         sinks: torch.Tensor | None = None, softcap: float = 0.0):
+                         sinks: torch.Tensor | None = None, softcap: float = 0.0, consumers: int | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself).
-    window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics)."""
+    window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics). ``stages``,
+    ``persistent``, ``pv_tiles``, ``consumers``: the tuned configuration's unless given (to measure others)."""
     from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
@@ -262,7 +263,10 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout)
     ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
-    items = triton.cdiv(nq, 128) * b * hq  # work items: 128 query rows of one batch·query-head
+    consumers = consumers or tuning.hopper_consumers(d, causal=is_causal, return_lse=return_lse, split=kv.with_split,
+                                                     variant=bool(window or chunk or softcap or sinks is not None),
+                                                     persistent=persistent)
+    items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
     grid = min(items, tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
@@ -272,7 +276,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
         P_LOG2=P_LOG2_FP8, RETURN_LSE=return_lse, PERSISTENT=persistent,
-        SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"],
+        SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"], CONSUMERS=consumers,
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, num_warps=4,
     )

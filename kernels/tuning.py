@@ -79,6 +79,17 @@ def hopper_config(head_dim: int) -> dict:
     return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
 
 
+def hopper_consumers(head_dim: int, *, causal: bool, return_lse: bool, split: bool, variant: bool,
+                     persistent: bool) -> int:
+    """Consumer warpgroups a CTA of the sm90 kernel has (64 query rows each): the head dim's CONSUMERS
+    (kernels.json) for the plain full-attention build, else 2. Three consumers leave each 160 registers a
+    thread; only that build fits them without local memory in its main loops (offline_build: causal, lse,
+    split, the variants and persistent CTAs spill), and at head dim 64 it runs 8–24 % faster from 2k keys
+    (eval/results/consumers-*.md)."""
+    plain = not (causal or return_lse or split or variant or persistent)
+    return hopper_config(head_dim)["CONSUMERS"] if plain else 2
+
+
 @functools.lru_cache(maxsize=None)
 def decode_config(interpreter: bool) -> dict:
     """The quantized-cache kernels' settings (``decode`` in kernels.json): the GPU's, or with the interpreter's

@@ -33,18 +33,25 @@ def _randn(*shape):
 def _int32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
-# every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes
+
+def _shipped(d, causal, lse, kv_range, dtype, split=False):
+    persistent = tuning.hopper_config(d)["PERSISTENT"]
+    consumers = tuning.hopper_consumers(d, causal=causal, return_lse=lse, split=split, variant=False,
+                                        persistent=persistent)
+    return {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": causal, "return_lse": lse,
+            "has_kv_range": kv_range, "dtype": dtype, "persistent": persistent, "consumers": consumers,
+            **({"split": True} if split else {})}
+
+
+# every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes (the
+# consumer count the launch picks: three at d64 without causal / lse), and K's split channel, the heaviest
 SHIPPED = [
-    {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": causal, "return_lse": lse,
-     "has_kv_range": kv_range, "dtype": dtype, "persistent": tuning.hopper_config(d)["PERSISTENT"]}
+    _shipped(d, causal, lse, kv_range, dtype)
     for d in (64, 128)
     for causal, lse, kv_range, dtype in ((False, False, False, "fp16"), (True, True, True, "bf16"),
-                                         (True, False, False, "fp16"), (False, True, True, "fp16"))
-] + [  # qattn(split_channel=True): K's split channel, heaviest configurations
-    {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": True, "return_lse": True,
-     "has_kv_range": True, "dtype": "bf16", "persistent": tuning.hopper_config(d)["PERSISTENT"], "split": True}
-    for d in (64, 128)
-]
+                                         (True, False, False, "fp16"), (False, True, True, "fp16"),
+                                         (False, False, True, "bf16"))
+] + [_shipped(d, True, True, True, "bf16", split=True) for d in (64, 128)]
 
 _PROBE = """
 import json, sys
@@ -73,13 +80,19 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     assert report["IGMMA"] > 0, "INT8 Q·Kᵀ must run on the INT8 wgmma"
     assert report["QGMMA"] > 0, "P·V must run on the FP8 wgmma"
     assert report["UTMALDG"] >= 3, "K, V and ΔS tiles must come through TMA"
-    assert report["spill_bytes"] == 0, report
-    assert len(report["loop_local"]) == 2, "one main loop per consumer warpgroup"
+    consumers = config["consumers"]
+    assert len(report["loop_local"]) == consumers, "one main loop per consumer warpgroup"
     # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
     # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
     assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report
-    if not config.get("split"):
-        assert report["LDL"] == 0 and report["STL"] == 0, report
+    if consumers == 3:
+        # 160 registers a thread: ptxas keeps a few values of the prologue and epilogue on the stack (56 bytes
+        # with triton 3.9), loads a work item pays, not a key tile
+        assert report["spill_bytes"] <= 64, report
+    else:
+        assert report["spill_bytes"] == 0, report
+        if not config.get("split"):
+            assert report["LDL"] == 0 and report["STL"] == 0, report
     assert report["shared"] <= 227 * 1024, report
 
 

@@ -193,7 +193,7 @@ def test_v_dither_averages_the_rounding_of_repeated_values_away(seed):
     rounds to FP8 alike, so V̂'s error keeps a mean over the keys that length does not average away (attention
     over many keys then carries it: the sm90 kernel's zero-mean-V error grew with length). The tile dither
     brings that mean down to the level of independent errors, σ/√N."""
-    n, d = 262144, 32
+    n, d = 262144, 128  # 128 channels: the root mean square below varies less from seed to seed than over 32
     v = torch.randn(1, 1, n, d).bfloat16().float()
     v = v - v[:, :, ::1024].mean(2, keepdim=True)  # a center from 256 tokens, as the kernels': not exactly zero
     mean_error = {}
@@ -202,8 +202,8 @@ def test_v_dither_averages_the_rounding_of_repeated_values_away(seed):
         error = vq * scale.repeat_interleave(128, dim=2)[:, :, :n] - v
         independent = error.std(2) / math.sqrt(n)  # the mean's size if the errors were independent
         mean_error[granularity] = (error.mean(2).square().mean() / independent.square().mean()).sqrt().item()
-    assert mean_error["channel"] > 3.0, mean_error  # the effect the dither is for (3.9–5.4 in 5 seeds)
-    assert mean_error["channel-dither"] < 2.0, mean_error  # 1.07–1.63 in the same seeds
+    assert mean_error["channel"] > 2.5, mean_error  # the effect the dither is for (3.3–5.4 in 33 seeds)
+    assert mean_error["channel-dither"] < 2.0, mean_error  # 1.2–1.6 in the same seeds
 
 
 def test_smoothing_center_sample():

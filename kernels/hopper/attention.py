@@ -1,6 +1,6 @@
-"""The kernel: CTAs of two consumer warpgroups of 64 query rows (``consumer``, FA3's "MMA + softmax"
-role) and one loader warp (``load_kv``), meeting on a ring of STAGES shared-memory stages. A work item
-is 128 query rows of one batch·query-head; the scheduler (``scheduler.py``) deals items to CTAs, one
+"""The kernel: CTAs of CONSUMERS (2 or 3) consumer warpgroups of 64 query rows (``consumer``, FA3's "MMA +
+softmax" role) and one loader warp (``load_kv``), meeting on a ring of STAGES shared-memory stages. A work
+item is 64·CONSUMERS query rows of one batch·query-head; the scheduler (``scheduler.py``) deals items to CTAs, one
 each, or, with PERSISTENT, many to each of one CTA per SM.
 
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
@@ -28,8 +28,10 @@ CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgrou
 # partition with this count, the first the default partition, which gets what the workers leave (256 at most):
 # 232 spilled the worker, 248 left the default 240 and spilled it; 240 leaves it 248 and spills neither
 CONSUMER_REGISTERS_D256 = gl.constexpr(240)
+# three consumers (head dim 64: a third warp a scheduler hides the softmax's latency, as FA3's d64 tiles of 192
+# rows): 3 × 128 threads × 168 + 32 × 24 fits the 64K, and a d64 consumer needs 140 (offline_build)
+CONSUMER_REGISTERS_3 = gl.constexpr(160)
 LOADER_REGISTERS = gl.constexpr(24)
-BLOCK_M = gl.constexpr(128)  # query rows of a work item: two consumer warpgroups of 64
 
 
 @gluon.jit
@@ -83,41 +85,50 @@ def attention_kernel(
     HEAD_DIM: gl.constexpr, D_PAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     QK_MAX: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_RANGE: gl.constexpr, K_TOKEN_SCALE: gl.constexpr,
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
-    SPLIT: gl.constexpr, PV_TILES: gl.constexpr,
+    SPLIT: gl.constexpr, PV_TILES: gl.constexpr, CONSUMERS: gl.constexpr,
     WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr, V_DITHER: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
                  RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                    NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)
-    q_all = gl.allocate_shared_memory(gl.int8, [2, 64, D_PAD],
+    q_all = gl.allocate_shared_memory(gl.int8, [CONSUMERS, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.int8))
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D_PAD], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     ds_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
     kc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)  # split channel of K
     # each consumer warpgroup's FP32 output sum (two-level accumulation, mainloop.py)
-    o_all = gl.allocate_shared_memory(gl.float32, [2, 64, D_PAD],
+    o_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.float32))
-    m_all = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # its row maxima
+    m_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # its row maxima
     # each row's sm_scale·q·k̄ from the prologue for the epilogue (the lse and the sinks need it): shared memory,
     # not registers (two registers a row all loop long spilled), nor Q read again (at head dim 256 the
     # reloaded rows beside the accumulator spilled the epilogue); m_all stands in where nothing needs it
     if RETURN_LSE or SINKS:
-        shift_all = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        shift_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         shift_all = m_all
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer warpgroup releases a stage
     ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty)
 
-    gl.warp_specialize([
-        (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),
-        (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 1)),
-        (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
-    ], [4, 1], [CONSUMER_REGISTERS_D256 if D_PAD > 128 else CONSUMER_REGISTERS, LOADER_REGISTERS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 1)),
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 2)),
+            (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
+        ], [4, 4, 1], [CONSUMER_REGISTERS_3, CONSUMER_REGISTERS_3, LOADER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 1)),
+            (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
+        ], [4, 1], [CONSUMER_REGISTERS_D256 if D_PAD > 128 else CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -27,11 +27,11 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16",
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
-                 block_n: int | None = None, d_pad: int | None = None):
+                 block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
-    override the tuned tile and padded head dim (to try configurations not shipped); ``stages`` and ``pv_tiles``
-    default to the tuned ones (kernels.json)."""
+    override the tuned tile and padded head dim (to try configurations not shipped); ``stages``, ``pv_tiles`` and
+    ``consumers`` default to the tuned ones (kernels.json, tuning.hopper_consumers)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
@@ -43,6 +43,9 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
     stages = tuning.hopper_config(head_dim)["STAGES"] if stages is None else stages
+    if consumers is None:
+        consumers = tuning.hopper_consumers(head_dim, causal=causal, return_lse=return_lse, split=split,
+                                            variant=window or chunk or sinks or softcap, persistent=persistent)
 
     def descriptor(type_name, gl_type, shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
@@ -67,7 +70,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     constexprs = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_N": block_n, "STAGES": stages, "QK_MAX": 127.0,
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
-                  "PV_TILES": pv_tiles, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks, "SOFTCAP": softcap,
+                  "PV_TILES": pv_tiles, "CONSUMERS": consumers, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks,
+                  "SOFTCAP": softcap,
                   "V_DITHER": tuning.v_dither(softcap)}
     for name in constexprs:
         signature[name] = "constexpr"
