@@ -64,6 +64,11 @@ def cases():
         dict(pad="both", hk=2, lse=True),
         dict(nq=4096, nk=4096, b=1, hq=4, hk=4, causal=True),
         dict(nq=16384, nk=16384, b=1, hq=2, hk=2),
+        # long causal calls run the main loop split at the diagonal (tuning.hopper_causal_split: d128 from 8192
+        # keys, d64 from 4096): with lse and GQA, with a key range, and with fewer queries than keys
+        dict(nq=9000, nk=9000, b=1, hq=4, hk=2, causal=True, lse=True, dtype=torch.bfloat16),
+        dict(nq=4500, nk=4500, b=2, hq=4, hk=4, causal=True, d=64, pad="left"),
+        dict(nq=1000, nk=9000, b=1, hq=4, hk=4, causal=True),
         dict(split=True),  # a zero-mean outlier channel in K, qattn(split_channel=True) (issue 15, item 8)
         dict(split=True, causal=True, hk=2, dtype=torch.bfloat16, pad="both", lse=True, d=64),
     ]

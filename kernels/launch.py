@@ -278,7 +278,9 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         P_LOG2=P_LOG2_FP8, RETURN_LSE=return_lse, PERSISTENT=persistent,
         SPLIT=kv.with_split, PV_TILES=pv_tiles or config["PV_TILES"], CONSUMERS=consumers,
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
-        V_DITHER=kv.v_dither, num_warps=4,
+        V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
+                                                                      variant_span=bool(window or chunk), keys=nk),
+        num_warps=4,
     )
     return lse
 

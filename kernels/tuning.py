@@ -90,6 +90,13 @@ def hopper_consumers(head_dim: int, *, causal: bool, return_lse: bool, split: bo
     return hopper_config(head_dim)["CONSUMERS"] if plain else 2
 
 
+def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys: int) -> bool:
+    """Whether the sm90 kernel splits a causal call's main loop at the diagonal (kernels/hopper/mainloop.py): from
+    the head dim's CAUSAL_SPLIT_FROM keys on (kernels.json), never with a window or chunk (their tiles are masked
+    at both ends)."""
+    return causal and not variant_span and keys >= hopper_config(head_dim)["CAUSAL_SPLIT_FROM"]
+
+
 @functools.lru_cache(maxsize=None)
 def decode_config(interpreter: bool) -> dict:
     """The quantized-cache kernels' settings (``decode`` in kernels.json): the GPU's, or with the interpreter's

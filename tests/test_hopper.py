@@ -34,24 +34,26 @@ def _int32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def _shipped(d, causal, lse, kv_range, dtype, split=False):
+def _shipped(d, causal, lse, kv_range, dtype, split=False, causal_split=False):
     persistent = tuning.hopper_config(d)["PERSISTENT"]
     consumers = tuning.hopper_consumers(d, causal=causal, return_lse=lse, split=split, variant=False,
                                         persistent=persistent)
     return {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": causal, "return_lse": lse,
             "has_kv_range": kv_range, "dtype": dtype, "persistent": persistent, "consumers": consumers,
-            **({"split": True} if split else {})}
+            **({"split": True} if split else {}), **({"causal_split": True} if causal_split else {})}
 
 
-# every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes (the
-# consumer count the launch picks: three at d64 without causal / lse), and K's split channel, the heaviest
+# every configuration the dispatcher can launch: head dim (padded) × causal (its main loop split at the diagonal
+# or not: long and short calls) × lse × kv range, both dtypes (the consumer count the launch picks: three at d64
+# without causal / lse), and K's split channel, the heaviest
 SHIPPED = [
-    _shipped(d, causal, lse, kv_range, dtype)
+    _shipped(d, causal, lse, kv_range, dtype, causal_split=causal_split)
     for d in (64, 128)
-    for causal, lse, kv_range, dtype in ((False, False, False, "fp16"), (True, True, True, "bf16"),
-                                         (True, False, False, "fp16"), (False, True, True, "fp16"),
-                                         (False, False, True, "bf16"))
-] + [_shipped(d, True, True, True, "bf16", split=True) for d in (64, 128)]
+    for causal, lse, kv_range, dtype, causal_split in (
+        (False, False, False, "fp16", False), (True, True, True, "bf16", False), (True, False, False, "fp16", False),
+        (False, True, True, "fp16", False), (False, False, True, "bf16", False), (True, True, True, "bf16", True),
+        (True, False, False, "fp16", True))
+] + [_shipped(d, True, True, True, "bf16", split=True, causal_split=cs) for d in (64, 128) for cs in (False, True)]
 
 _PROBE = """
 import json, sys
@@ -81,7 +83,8 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     assert report["QGMMA"] > 0, "P·V must run on the FP8 wgmma"
     assert report["UTMALDG"] >= 3, "K, V and ΔS tiles must come through TMA"
     consumers = config["consumers"]
-    assert len(report["loop_local"]) == consumers, "one main loop per consumer warpgroup"
+    loops = 2 if config.get("causal_split") else 1  # the split causal loop: tiles left of the diagonal, then on it
+    assert len(report["loop_local"]) == consumers * loops, "one main loop (or two) per consumer warpgroup"
     # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
     # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
     assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report

@@ -87,11 +87,12 @@ def attention_kernel(
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr, CONSUMERS: gl.constexpr,
     WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr, V_DITHER: gl.constexpr,
+    CAUSAL_SPLIT: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
     BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER)
+                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                    NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)

@@ -125,9 +125,10 @@ def _softcap(s, q_cap, cap_in, cap_out):
 
 @gluon.jit
 def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile, k_scale, m_i, l_i, tile,
-             first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr):
+             first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr, MASK: gl.constexpr):
     """One tile of the online softmax in base 2; P comes out at the FP8 scale (×448). ``lo_last``: the first
-    key the warpgroup's last row sees (WINDOW / CHUNK): a tile starting left of it crosses some row's start."""
+    key the warpgroup's last row sees (WINDOW / CHUNK): a tile starting left of it crosses some row's start.
+    ``MASK``: the tile may cross the diagonal or a window / chunk start (checked here); False: it does not."""
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     NQ = prob.NQ
     NK = prob.NK
@@ -142,7 +143,9 @@ def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile
     # keys outside [kv_start, kv_end) and padding keys already hold ΔS = −inf (the K/V pass wrote it);
     # only the causal diagonal (and a window's or chunk's start) is masked here, in the few tiles that cross it
     start = tile * BLOCK_N
-    if cfg.WINDOW or cfg.CHUNK:
+    if not MASK:
+        pass
+    elif cfg.WINDOW or cfg.CHUNK:
         if (start + BLOCK_N > first_row + (NK - NQ) + 1) | (start < lo_last):
             offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
             pos = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout)) + (NK - NQ)
@@ -188,15 +191,54 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out, qk_zero, base,
+          first, i, acc, p, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr,
+          o_layout: gl.constexpr, MASK: gl.constexpr):
+    """The main loop's i-th step: S of tile i + 1 and P·V of tile i on the tensor cores, the softmax of tile
+    i + 1 meanwhile; every PV_TILES tiles the accumulator is flushed first. Returns (acc, P, m, l)."""
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    STAGES: gl.constexpr = cfg.STAGES
+    PV_TILES: gl.constexpr = cfg.PV_TILES
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    col: gl.constexpr = gl.SliceLayout(0, qk_layout)
+    s = (base + i) % STAGES
+    s1 = (base + i + 1) % STAGES
+    # flush before P is packed: P's FP8 operand live across the branch is split into bytes by the
+    # lowering (+130 SASS instructions a tile on the path that does not flush)
+    if (i % PV_TILES == 0) & (i > 0):
+        o_smem.store(_flushed(o_smem, m_smem, acc, m_i, i == PV_TILES, o_layout))
+        m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
+        acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
+    p8 = _p_operand(p, BM, BLOCK_N, p_layout)
+    k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
+    mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
+    qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    ds = ring.ds.index(s1).load(col)
+    p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s1),
+                                  k_scale, m_i, l_i, first + i + 1, first_row, row0, lo_last, BM, qk_layout, MASK)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(ring.empty.index(s), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, p, m_i, l_i
+
+
+@gluon.jit
 def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first, n, first_row, row0,
            BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """The main loop over the n key tiles [first, first + n): returns (O unnormalized, l, m). ``base`` counts
     the ring's tiles before this work item (the ring runs on across a persistent CTA's items): the item's
     i-th tile sits in stage (base + i) % STAGES. ``first`` is 0 unless WINDOW or CHUNK.
+
+    CAUSAL_SPLIT (causal, no window or chunk): two loops, the tiles left of the CTA's first row's diagonal
+    without the mask's code, then the few that cross it: +2–10 % from 8k keys, but −3 to −11 % at 1k–2k, where
+    an item has few tiles (eval/results/causal-split-*.md); the launch picks it by key count (kernels.json).
     """
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     STAGES: gl.constexpr = cfg.STAGES
     PV_TILES: gl.constexpr = cfg.PV_TILES
+    MASKED: gl.constexpr = cfg.CAUSAL or cfg.WINDOW or cfg.CHUNK
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row: gl.constexpr = gl.SliceLayout(1, qk_layout)
     col: gl.constexpr = gl.SliceLayout(0, qk_layout)
@@ -220,31 +262,25 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_b
         qk = warpgroup_mma(q_smem, ring.k.index(s0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s0),
-                                      k_scale, m_i, l_i, first, first_row, row0, lo_last, BM, qk_layout)
+                                      k_scale, m_i, l_i, first, first_row, row0, lo_last, BM, qk_layout, MASKED)
         # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
         # into bytes by the lowering (about 200 extra instructions a tile).
-        for i in range(n - 1):
-            s = (base + i) % STAGES
-            s1 = (base + i + 1) % STAGES
-            # flush before P is packed: P's FP8 operand live across the branch is split into bytes by the
-            # lowering (+130 SASS instructions a tile on the path that does not flush)
-            if (i % PV_TILES == 0) & (i > 0):
-                o_smem.store(_flushed(o_smem, m_smem, acc, m_i, i == PV_TILES, o_layout))
-                m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
-                acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
-            p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-            k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
-            mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
-            qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-            ds = ring.ds.index(s1).load(col)
-            p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds,
-                                          ring.kc.index(s1), k_scale, m_i, l_i, first + i + 1, first_row, row0,
-                                          lo_last, BM, qk_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(ring.empty.index(s), count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if cfg.CAUSAL_SPLIT:
+            # tiles [0, n_plain) end left of the first row's diagonal; the step of index i runs tile i + 1's softmax
+            n_plain = gl.minimum(gl.maximum(first_row + (prob.NK - prob.NQ) + 1, 0) // BLOCK_N, n)
+            for i in range(0, n_plain - 1):
+                acc, p, m_i, l_i = _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
+                                         cap_in, cap_out, qk_zero, base, first, i, acc, p, m_i, l_i, first_row,
+                                         row0, lo_last, BM, qk_layout, o_layout, False)
+            for i in range(gl.maximum(n_plain - 1, 0), n - 1):
+                acc, p, m_i, l_i = _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
+                                         cap_in, cap_out, qk_zero, base, first, i, acc, p, m_i, l_i, first_row,
+                                         row0, lo_last, BM, qk_layout, o_layout, True)
+        else:
+            for i in range(n - 1):
+                acc, p, m_i, l_i = _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
+                                         cap_in, cap_out, qk_zero, base, first, i, acc, p, m_i, l_i, first_row,
+                                         row0, lo_last, BM, qk_layout, o_layout, MASKED)
         s = (base + n - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
         acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)

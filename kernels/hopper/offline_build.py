@@ -27,11 +27,13 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16",
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
-                 block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None):
+                 block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None,
+                 causal_split: bool = False):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
     override the tuned tile and padded head dim (to try configurations not shipped); ``stages``, ``pv_tiles`` and
-    ``consumers`` default to the tuned ones (kernels.json, tuning.hopper_consumers)."""
+    ``consumers`` default to the tuned ones (kernels.json, tuning.hopper_consumers); ``causal_split``: the causal
+    main loop split at the diagonal, as long causal calls run (tuning.hopper_causal_split)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
@@ -71,7 +73,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
                   "PV_TILES": pv_tiles, "CONSUMERS": consumers, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks,
-                  "SOFTCAP": softcap,
+                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split,
                   "V_DITHER": tuning.v_dither(softcap)}
     for name in constexprs:
         signature[name] = "constexpr"

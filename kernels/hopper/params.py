@@ -32,7 +32,8 @@ class Config:
     per tile), RETURN_LSE, PERSISTENT (scheduler.py), SPLIT (K's split channel), and the attention variants
     (their sizes are runtime values in Problem): WINDOW (sliding window), CHUNK (chunked attention), SINKS
     (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores).
-    V_DITHER: V̂ was quantized with its tile dither (kernels/formats.py), whose log2 φ ΔS carries: l sums P / φ."""
+    V_DITHER: V̂ was quantized with its tile dither (kernels/formats.py), whose log2 φ ΔS carries: l sums P / φ.
+    CAUSAL_SPLIT: causal, the main loop split at the diagonal (mainloop.attend)."""
     HEAD_DIM: gl.constexpr
     D_PAD: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -52,10 +53,12 @@ class Config:
     SINKS: gl.constexpr
     SOFTCAP: gl.constexpr
     V_DITHER: gl.constexpr
+    CAUSAL_SPLIT: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE,
-                 P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER):
+                 P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER,
+                 CAUSAL_SPLIT):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.D_PAD = gl.constexpr(D_PAD)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -75,6 +78,7 @@ class Config:
         self.SINKS = gl.constexpr(SINKS)
         self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.V_DITHER = gl.constexpr(V_DITHER)
+        self.CAUSAL_SPLIT = gl.constexpr(CAUSAL_SPLIT)
 
 
 @aggregate
