@@ -2,11 +2,12 @@
 
     bash eval/device_run.sh python3 eval/accuracy_length.py --out eval/results/accuracy-length.md
 
-Inputs (B1 H4 d128 bf16, fresh per length, seed = length): q, k ~ N(0, 1) with K's channels offset by
+Inputs (B1 H4 bf16, head dim ``--head-dim`` (128), fresh per length, seed = length): q, k ~ N(0, 1) with K's channels offset by
 N(0, 2) (a bias that K's smoothing removes), and two kinds of V — "v-mean" with mean 0.3, and "v-zero"
 with zero mean, where V's smoothing leaves little beside the part attention selects, so an accumulation
 error shows at full size. Reference: float32 attention (torch SDPA on float32 inputs) for 2,048 query rows
-spread over the sequence (rows are independent in non-causal attention). Reported: RelL1 of each method to
+spread over the sequence (rows are independent; with ``--causal`` row i sees keys ≤ i, which runs the
+causal kernel's main loop split at the diagonal at these lengths). Reported: RelL1 of each method to
 the reference; cos to the reference; for each kernel with ``pv_tiles`` (key tiles summed in one FP8 wgmma
 accumulator before it is added into FP32; the shipped value is in configs/kernels.json) and the portable
 Triton kernel (two-level accumulation per tile), cuDNN bf16 as the yardstick.
@@ -44,13 +45,18 @@ def inputs(n: int, v_kind: str, heads: int = 4, d: int = 128, device="cuda"):
     return (t.to(torch.bfloat16) for t in (q, k, v))
 
 
+CAUSAL = {"on": False}  # --causal, read by the methods below
+
+
 def reference_rows(q, k, v, rows):
+    mask = torch.arange(k.shape[2], device=k.device)[None, :] <= rows[:, None] if CAUSAL["on"] else None
     with torch.nn.attention.sdpa_kernel([SDPA.EFFICIENT_ATTENTION, SDPA.MATH]):
-        return torch.nn.functional.scaled_dot_product_attention(q[:, :, rows].float(), k.float(), v.float())
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, rows].float(), k.float(), v.float(),
+                                                                attn_mask=mask)
 
 
 def _options(q):
-    return dict(is_causal=False, sm_scale=q.shape[-1] ** -0.5, qk="int8", smooth_q=True, smooth_k=True,
+    return dict(is_causal=CAUSAL["on"], sm_scale=q.shape[-1] ** -0.5, qk="int8", smooth_q=True, smooth_k=True,
                 smooth_v=True, kv_start=None, kv_end=None, return_lse=False)
 
 
@@ -68,7 +74,7 @@ def portable(q, k, v):
 
 def cudnn(q, k, v):
     with torch.nn.attention.sdpa_kernel([SDPA.CUDNN_ATTENTION]):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=CAUSAL["on"])
 
 
 def main() -> int:
@@ -77,9 +83,12 @@ def main() -> int:
     parser.add_argument("--pv-tiles", default="", help="comma-separated pv_tiles to compare (the shipped one always)")
     parser.add_argument("--no-portable", action="store_true")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    shipped = tuning.hopper_config(128)["PV_TILES"]
+    CAUSAL["on"] = args.causal
+    shipped = tuning.hopper_config(args.head_dim)["PV_TILES"]
     tiles = sorted({shipped, *(int(t) for t in args.pv_tiles.split(",") if t)})
     methods = {f"qattn pv_tiles={t}" + (" (shipped)" if t == shipped else ""): (lambda t: lambda q, k, v: hopper(q, k, v, t))(t)
                for t in tiles}
@@ -90,7 +99,7 @@ def main() -> int:
     results = {}  # (v_kind, method, n) -> Accuracy
     for v_kind in ("v-mean", "v-zero"):
         for n in lengths:
-            q, k, v = inputs(n, v_kind)
+            q, k, v = inputs(n, v_kind, d=args.head_dim)
             rows = torch.linspace(0, n - 1, ROWS, device=q.device).long()
             ref = reference_rows(q, k, v, rows)
             for name, fn in methods.items():
@@ -103,8 +112,8 @@ def main() -> int:
     lines = [f"# Accuracy against float32 attention by sequence length — {torch.cuda.get_device_name()}, "
              f"{datetime.date.today()}", "",
              f"torch {torch.__version__}, triton {triton.__version__}; `python3 eval/accuracy_length.py "
-             f"{' '.join(sys.argv[1:])}`. Inputs and reference: see the script's docstring (B1 H4 d128 bf16, "
-             f"{ROWS} reference rows).", ""]
+             f"{' '.join(sys.argv[1:])}`. Inputs and reference: see the script's docstring (B1 H4 d{args.head_dim} "
+             f"bf16, {'causal, ' if args.causal else ''}{ROWS} reference rows).", ""]
     for v_kind in ("v-mean", "v-zero"):
         for metric in ("rel_l1", "cos_sim"):
             lines += [f"## {v_kind}: {'RelL1' if metric == 'rel_l1' else 'cos'} to float32", "",

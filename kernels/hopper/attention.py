@@ -29,7 +29,8 @@ CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgrou
 # 232 spilled the worker, 248 left the default 240 and spilled it; 240 leaves it 248 and spills neither
 CONSUMER_REGISTERS_D256 = gl.constexpr(240)
 # three consumers (head dim 64: a third warp a scheduler hides the softmax's latency, as FA3's d64 tiles of 192
-# rows): 3 × 128 threads × 168 + 32 × 24 fits the 64K, and a d64 consumer needs 140 (offline_build)
+# rows): the two worker consumers get 160, the loader's warpgroup 24, the default partition the rest, 168
+# (128 threads × (160 + 160 + 24 + 168) = 64K); 168 for the workers left the default 152, which spilled its loop
 CONSUMER_REGISTERS_3 = gl.constexpr(160)
 LOADER_REGISTERS = gl.constexpr(24)
 
@@ -105,7 +106,8 @@ def attention_kernel(
     # each consumer warpgroup's FP32 output sum (two-level accumulation, mainloop.py)
     o_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, D_PAD],
                                       gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.float32))
-    m_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # its row maxima
+    # and its row maxima
+    m_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # each row's sm_scale·q·k̄ from the prologue for the epilogue (the lse and the sinks need it): shared memory,
     # not registers (two registers a row all loop long spilled), nor Q read again (at head dim 256 the
     # reloaded rows beside the accumulator spilled the epilogue); m_all stands in where nothing needs it

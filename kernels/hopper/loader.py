@@ -1,6 +1,6 @@
 """The producer: one warp that streams K̂, V̂ᵀ, ΔS and split-channel (kc) tiles into a ring of shared-memory stages.
 
-Stage s is filled when ``kv_empty[s]`` says both consumer warpgroups released it, and announced
+Stage s is filled when ``kv_empty[s]`` says every consumer warpgroup released it, and announced
 on ``kv_ready[s]`` with the byte count the TMA engine will deliver. The consumers wait on ready,
 read, and arrive on empty; the phase bit flips each time the ring wraps. The ring runs on across
 the CTA's work items (``g`` counts tiles over all of them), so the next item's first tiles load

@@ -1,4 +1,4 @@
-"""The consumers: two warpgroups, 64 query rows each, that turn K̂/V̂ᵀ tiles into an output.
+"""The consumers: CONSUMERS warpgroups (2 or 3), 64 query rows each, that turn K̂/V̂ᵀ tiles into an output.
 
 Prologue (``quantize_q``): the warpgroup loads its Q rows in the model's dtype (any layout, by
 strides), subtracts q̄ and quantizes each row to INT8 (±127, or ±7 for qattn-4b) with its own

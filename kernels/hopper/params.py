@@ -164,7 +164,7 @@ class Problem:
 @aggregate
 class Ring:
     """STAGES stages of K̂ (BLOCK_N, D_PAD) int8, V̂ᵀ (D_PAD, BLOCK_N) FP8, ΔS and kc (BLOCK_N) fp32; ``ready[s]``:
-    the loader's TMA delivered stage s, ``empty[s]``: both consumer warpgroups released it (loader.py)."""
+    the loader's TMA delivered stage s, ``empty[s]``: every consumer warpgroup released it (loader.py)."""
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     ds: gl.shared_memory_descriptor
