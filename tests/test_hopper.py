@@ -194,6 +194,28 @@ def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
 
 
+def test_three_consumers_only_for_the_build_that_fits_them():
+    """tuning.hopper_consumers: three warpgroups for d64 full attention alone; every switch that spilled with three
+    (offline_build) gives two, and so does every other head dim (d96 pads to 128)."""
+    plain = dict(causal=False, return_lse=False, split=False, variant=False, persistent=False)
+    assert tuning.hopper_consumers(64, **plain) == 3
+    for d in (96, 128, 256):
+        assert tuning.hopper_consumers(d, **plain) == 2
+    for switch in plain:
+        assert tuning.hopper_consumers(64, **{**plain, switch: True}) == 2, switch
+
+
+def test_causal_main_loop_split_from_the_head_dims_threshold():
+    """tuning.hopper_causal_split: causal calls from CAUSAL_SPLIT_FROM keys (4096 at d64, 8192 at d128), never for
+    full attention or a window / chunk (their tiles are masked at both ends)."""
+    for d, threshold in ((64, 4096), (128, 8192)):
+        assert tuning.hopper_config(d)["CAUSAL_SPLIT_FROM"] == threshold
+        assert tuning.hopper_causal_split(d, causal=True, variant_span=False, keys=threshold)
+        assert not tuning.hopper_causal_split(d, causal=True, variant_span=False, keys=threshold - 1)
+        assert not tuning.hopper_causal_split(d, causal=False, variant_span=False, keys=4 * threshold)
+        assert not tuning.hopper_causal_split(d, causal=True, variant_span=True, keys=4 * threshold)
+
+
 def test_sm90_without_gluon_runs_the_portable_kernel_counted_and_warned(monkeypatch):
     import hf_qattn
     from hf_qattn.kernels.hopper import gluon_api as api
