@@ -191,36 +191,37 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out, qk_zero, base,
-          first, i, acc, p, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr,
-          o_layout: gl.constexpr, MASK: gl.constexpr):
-    """The main loop's i-th step: S of tile i + 1 and P·V of tile i on the tensor cores, the softmax of tile
-    i + 1 meanwhile; every PV_TILES tiles the accumulator is flushed first. Returns (acc, P, m, l)."""
+def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out, qk_zero, base,
+           first, lo, hi, acc, p, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr,
+           o_layout: gl.constexpr, MASK: gl.constexpr):
+    """The main loop's steps i in [lo, hi): S of tile i + 1 and P·V of tile i on the tensor cores, the softmax of
+    tile i + 1 meanwhile; every PV_TILES tiles the accumulator is flushed first. Returns (acc, P, m, l)."""
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     STAGES: gl.constexpr = cfg.STAGES
     PV_TILES: gl.constexpr = cfg.PV_TILES
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     col: gl.constexpr = gl.SliceLayout(0, qk_layout)
-    s = (base + i) % STAGES
-    s1 = (base + i + 1) % STAGES
-    # flush before P is packed: P's FP8 operand live across the branch is split into bytes by the
-    # lowering (+130 SASS instructions a tile on the path that does not flush)
-    if (i % PV_TILES == 0) & (i > 0):
-        o_smem.store(_flushed(o_smem, m_smem, acc, m_i, i == PV_TILES, o_layout))
-        m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
-        acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
-    p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-    k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
-    mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
-    qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-    ds = ring.ds.index(s1).load(col)
-    p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s1),
-                                  k_scale, m_i, l_i, first + i + 1, first_row, row0, lo_last, BM, qk_layout, MASK)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(ring.empty.index(s), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    for i in range(lo, hi):
+        s = (base + i) % STAGES
+        s1 = (base + i + 1) % STAGES
+        # flush before P is packed: P's FP8 operand live across the branch is split into bytes by the
+        # lowering (+130 SASS instructions a tile on the path that does not flush)
+        if (i % PV_TILES == 0) & (i > 0):
+            o_smem.store(_flushed(o_smem, m_smem, acc, m_i, i == PV_TILES, o_layout))
+            m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
+            acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
+        p8 = _p_operand(p, BM, BLOCK_N, p_layout)
+        k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
+        mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+        ds = ring.ds.index(s1).load(col)
+        p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s1),
+                                      k_scale, m_i, l_i, first + i + 1, first_row, row0, lo_last, BM, qk_layout, MASK)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(ring.empty.index(s), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return acc, p, m_i, l_i
 
 
@@ -268,19 +269,16 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_b
         if cfg.CAUSAL_SPLIT:
             # tiles [0, n_plain) end left of the first row's diagonal; the step of index i runs tile i + 1's softmax
             n_plain = gl.minimum(gl.maximum(first_row + (prob.NK - prob.NQ) + 1, 0) // BLOCK_N, n)
-            for i in range(0, n_plain - 1):
-                acc, p, m_i, l_i = _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
-                                         cap_in, cap_out, qk_zero, base, first, i, acc, p, m_i, l_i, first_row,
-                                         row0, lo_last, BM, qk_layout, o_layout, False)
-            for i in range(gl.maximum(n_plain - 1, 0), n - 1):
-                acc, p, m_i, l_i = _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
-                                         cap_in, cap_out, qk_zero, base, first, i, acc, p, m_i, l_i, first_row,
-                                         row0, lo_last, BM, qk_layout, o_layout, True)
+            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in,
+                                      cap_out, qk_zero, base, first, 0, n_plain - 1, acc, p, m_i, l_i, first_row, row0,
+                                      lo_last, BM, qk_layout, o_layout, False)
+            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in,
+                                      cap_out, qk_zero, base, first, gl.maximum(n_plain - 1, 0), n - 1, acc, p, m_i,
+                                      l_i, first_row, row0, lo_last, BM, qk_layout, o_layout, True)
         else:
-            for i in range(n - 1):
-                acc, p, m_i, l_i = _step(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
-                                         cap_in, cap_out, qk_zero, base, first, i, acc, p, m_i, l_i, first_row,
-                                         row0, lo_last, BM, qk_layout, o_layout, MASKED)
+            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in,
+                                      cap_out, qk_zero, base, first, 0, n - 1, acc, p, m_i, l_i, first_row, row0,
+                                      lo_last, BM, qk_layout, o_layout, MASKED)
         s = (base + n - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
         acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
