@@ -77,6 +77,16 @@ def chunked_nll(model, ids, make_cache, chunk: int) -> tuple[float, int]:
     return nll, count
 
 
+def chunked_perplexity(model, texts, make_cache, chunk: int) -> tuple[float, int]:
+    """(token perplexity, tokens counted) over the windows ``texts`` (1-D id tensors), each fed by ``chunked_nll``
+    into a fresh ``make_cache()``."""
+    nll = count = 0
+    for row in texts:
+        a, b = chunked_nll(model, row[None], make_cache, chunk)
+        nll, count = nll + a, count + b
+    return math.exp(nll / count), count
+
+
 def greedy(model, prompt, make_cache, new: int):
     import torch
 
@@ -121,11 +131,8 @@ def main(argv=None) -> int:
             continue
         model.set_attn_implementation(impl)
         started = time.perf_counter()
-        nll = count = 0
-        for row in texts:
-            a, b = chunked_nll(model, row[None], make_cache, args.chunk)
-            nll, count = nll + a, count + b
-        report["perplexity"][name] = {"ppl": math.exp(nll / count), "tokens": count,
+        ppl, count = chunked_perplexity(model, texts, make_cache, args.chunk)
+        report["perplexity"][name] = {"ppl": ppl, "tokens": count,
                                       "seconds": time.perf_counter() - started}
         print(name, report["perplexity"][name], flush=True)
     base_ppl = report["perplexity"].get(short["fp32"], {}).get("ppl", float("nan"))

@@ -13,7 +13,6 @@ the cache's reference math patched (the CPU path: the kernels are not touched); 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -68,11 +67,7 @@ def main():
 
     def perplexity(impl, make_cache):
         model.set_attn_implementation(impl)
-        nll = count = 0
-        for row in texts:
-            a, b = cache_accuracy.chunked_nll(model, row[None], make_cache, args.chunk)
-            nll, count = nll + a, count + b
-        return math.exp(nll / count)
+        return cache_accuracy.chunked_perplexity(model, texts, make_cache, args.chunk)[0]
 
     base = perplexity("sdpa", lambda: tf.DynamicCache(config=model.config))
     print(f"| cache | alpha | perplexity | vs float32 cache ({base:.4f}) |\n|---|---|---|---|")

@@ -17,7 +17,6 @@ as the shipped cache stores it; k̄ and v̄ are fixed at the first fill, as the 
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -96,14 +95,13 @@ def main():
     model = tf.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
     texts = windows(tokenizer, os.path.join(DATA, "test.txt"), 8, 512)
 
+    def fresh_cache():  # a window's first fill fixes its centers anew
+        STATE["centers"] = {}
+        return tf.DynamicCache(config=model.config)
+
     def perplexity(impl):
         model.set_attn_implementation(impl)
-        nll = count = 0
-        for row in texts:
-            STATE["centers"] = {}
-            a, b = cache_accuracy.chunked_nll(model, row[None], lambda: tf.DynamicCache(config=model.config), 16)
-            nll, count = nll + a, count + b
-        return math.exp(nll / count)
+        return cache_accuracy.chunked_perplexity(model, texts, fresh_cache, 16)[0]
 
     base = perplexity("sdpa")
     print(f"| K format (V: FP8 per token) | perplexity | vs float32 cache ({base:.4f}) |\n|---|---|---|", flush=True)
