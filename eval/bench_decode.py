@@ -142,18 +142,17 @@ def exact_decode(q, k, v) -> torch.Tensor:
     return out
 
 
-def fill_cache(k, v, d, int4, device):
+def fill_cache(k, v, precision, device):
+    """(buffers, k̄, v̄, bytes of the tokens' storage) of a cache holding k, v."""
     from hf_qattn.kv_cache import reference as kv_reference
     from hf_qattn.kernels import decode_launch
 
-    b, hk, n, _ = k.shape
+    b, hk, n, d = k.shape
     k_bar, v_bar = kv_reference.centers(k, v)
-    kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device=device, dtype=torch.int8)
-    ks = torch.empty(b, hk, n, device=device)
-    vq = torch.empty(b, hk, n, d, device=device, dtype=torch.float8_e4m3fn)
-    vs = torch.empty(b, hk, n, device=device)
-    decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
-    return kq, ks, vq, vs, k_bar, v_bar
+    buf = kv_reference.allocate(b, hk, -(-n // 64) * 64, d, precision, device, k.dtype)
+    decode_launch.append(k, v, k_bar, v_bar, buf, 0)
+    nbytes = sum(t.numel() * t.element_size() for t in buf[1:5])  # what a decode step reads, scales included
+    return buf, k_bar, v_bar, nbytes
 
 
 def _failed(row: dict, error: Exception) -> None:
@@ -197,32 +196,30 @@ def kernel_rows(args, device, dtype):
                         row["qattn_bf16cache_us"] = f"error: {type(error).__name__}"
                 ref = None
                 for precision in ("int8", "int4"):
-                    int4 = precision == "int4"
                     try:
-                        kq, ks, vq, vs, k_bar, v_bar = fill_cache(k, v, d, int4, device)
+                        buf, k_bar, v_bar, qbytes = fill_cache(k, v, precision, device)
                         out = torch.empty(b, nq, hq, d, device=device, dtype=dtype)
 
                         def run():
-                            decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4, out=out)
+                            decode_launch.decode(q, buf, v_bar, n, out=out)
 
                         us = time_us(run, args.calls, args.repeats)
-                        qbytes = b * hk * n * (kq.shape[-1] + d + 8)
                         row[f"{precision}_us"] = us
                         row[f"{precision}_GBs"] = qbytes / us / 1e3
                         row[f"{precision}_x"] = row["sdpa_us"] / us
                         row[f"{precision}_host_us"] = host_us(run, args.calls, repeats=1, hold_gpu=False)
-                        # the append kernel alone: one new token per sequence (rewrites the last slot)
+                        # the append kernel alone: one new token per sequence (rewrites the last slot; INT4: the
+                        # token that completes a group, which quantizes the group)
                         k1, v1 = k[:, :, -1:].contiguous(), v[:, :, -1:].contiguous()
                         row[f"{precision}_append_us"] = time_us(
-                            lambda: decode_launch.append(k1, v1, k_bar, v_bar, kq, ks, vq, vs, n - 1, int4=int4),
-                            args.calls, args.repeats)
+                            lambda: decode_launch.append(k1, v1, k_bar, v_bar, buf, n - 1), args.calls, args.repeats)
                         # accuracy of the timed call against exact attention on the bf16 cache
                         run()
                         if ref is None:
                             ref = exact_decode(q, k, v)
                         err = (out.double() - ref).abs().sum() / ref.abs().sum()
                         row[f"{precision}_relL1"] = err.item()
-                        del kq, ks, vq, vs, out
+                        del buf, out
                     except Exception as error:  # noqa: BLE001
                         row[f"{precision}_us"] = f"error: {type(error).__name__}: {error}"[:120]
                         traceback.print_exc()
@@ -269,25 +266,25 @@ def sweep_rows(args, device, dtype):
             rows.append({"L": n, "name": "setup", "error": f"{type(error).__name__}: {error}"[:160]})
             continue
         for precision in ("int8", "int4"):
-            int4 = precision == "int4"
             try:
-                kq, ks, vq, vs, k_bar, v_bar = fill_cache(k, v, d, int4, device)
+                buf, k_bar, v_bar, qbytes = fill_cache(k, v, precision, device)
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append({"L": n, "precision": precision, "name": "fill", "error": f"{type(error).__name__}"})
                 continue
-            qbytes = b * hk * n * (kq.shape[-1] + d + 8)
             out = torch.empty(b, nq, hq, d, device=device, dtype=dtype)
             for config in sweep_configs(args):
                 row = {"B": b, "L": n, "precision": precision, "name": config["name"], "sdpa_us": sdpa}
                 kwargs = {key: value for key, value in config.items() if key != "name"}
+                if precision == "int4" and kwargs.get("block_n", 64) != 64:
+                    continue  # INT4 K is read a 64-token group a tile
                 try:
                     cfg = decode_launch.plan_launch(b, hk, hq // hk, nq, n, q.device, block_n=kwargs.get("block_n"),
                                                     waves=kwargs.get("waves"))
                     row["splits"] = cfg["num_splits"]
 
                     def run():
-                        decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4, out=out, **kwargs)
+                        decode_launch.decode(q, buf, v_bar, n, out=out, **kwargs)
 
                     us = time_us(run, calls, repeats)
                     run()
@@ -300,7 +297,7 @@ def sweep_rows(args, device, dtype):
                     traceback.print_exc()
                 log("sweep", row)
                 rows.append(row)
-            del kq, ks, vq, vs, out
+            del buf, out
         del k, v, q, ref
         gc.collect()
         if torch.cuda.is_available():

@@ -6,8 +6,8 @@
 
 For each case (batch, query/KV heads, query tokens 1..16, cached tokens including lengths that are
 not a multiple of any tile, head dim, dtype, INT8/INT4 K, left padding, split count):
-  1. the append kernel's storage against ``hf_qattn.kv_cache.reference.quantize_tokens`` (INT values
-     equal, scales to 1e-6, FP8 values equal but for rare ties);
+  1. the append kernel's storage against ``hf_qattn.kv_cache.reference.append`` (INT values and INT4 group
+     scales equal, per-token scales to 1e-6, FP8 values equal but for rare ties);
   2. the decode kernel against float64 attention over the same storage (tolerance: the kernel's
      bf16 P·δV rounding and the output dtype: (3e-3 + 2 eps) · max |ref|);
   3. the relative L1 error against exact float64 attention on the unquantized K/V (reported; bounded
@@ -92,32 +92,39 @@ def run_case(case, device):
     v = (torch.randn(b, hk, nk, d, device=device) + 1.5 * torch.randn(1, hk, 1, d, device=device)).to(dtype)
     q = (torch.randn(b, hq, nq, d, device=device) + 2.0 * torch.randn(1, hq, 1, d, device=device)).to(dtype)
     k_bar, v_bar = kv_reference.centers(k, v)
-    cap = nk + 13
-    kq = torch.full((b, hk, cap, decode_launch.packed_width(d, int4)), 99, device=device, dtype=torch.int8)
-    ks = torch.full((b, hk, cap), 1e6, device=device)
-    vq = torch.zeros(b, hk, cap, d, device=device, dtype=torch.float8_e4m3fn)
-    vs = torch.full((b, hk, cap), 1e6, device=device)
-    # append in two pieces, as prefill then decode would
+    cap = -(-(nk + 13) // 64) * 64
+    buf = kv_reference.allocate(b, hk, cap, d, precision, device, dtype)
+    buf.kq.fill_(99)  # garbage past the tokens
+    buf.ks.fill_(1e6)
+    buf.vs.fill_(1e6)
+    ref_buf = kv_reference.allocate(b, hk, cap, d, precision, device, dtype)
+    # append in two pieces, as prefill then decode would, and the reference likewise (INT4: a group completed by
+    # the second piece holds the first piece's tokens as they waited, K − k̄ in the model's dtype)
     cut = max(1, nk - nq)
-    decode_launch.append(k[:, :, :cut], v[:, :, :cut], k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
-    decode_launch.append(k[:, :, cut:], v[:, :, cut:], k_bar, v_bar, kq, ks, vq, vs, cut, int4=int4)
-    rkq, rks, rvq, rvs = kv_reference.quantize_tokens(k, v, k_bar, v_bar, precision)
-    result = {"append_ok": bool(torch.equal(kq[:, :, :nk], rkq))
-              and bool(torch.allclose(ks[:, :, :nk], rks, rtol=1e-6, atol=0))
-              and bool(torch.allclose(vs[:, :, :nk], rvs, rtol=1e-6, atol=0))
-              and float((vq[:, :, :nk].float() != rvq.float()).float().mean()) < 1e-3}
+    for lo, hi in ((0, cut), (cut, nk)):
+        decode_launch.append(k[:, :, lo:hi], v[:, :, lo:hi], k_bar, v_bar, buf, lo)
+        kv_reference.append(k[:, :, lo:hi], v[:, :, lo:hi], k_bar, v_bar, ref_buf, lo)
+    whole = nk // 64 * 64 if int4 else nk  # INT4: the packed groups' slots (the rest waits in k_recent)
+    scales = nk // 64 if int4 else nk
+    recent_ok = not int4 or bool(torch.equal(buf.k_recent[:, :, : nk - whole], ref_buf.k_recent[:, :, : nk - whole]))
+    result = {"append_ok": bool(torch.equal(buf.kq[:, :, :whole], ref_buf.kq[:, :, :whole]))
+              and bool(torch.allclose(buf.ks[:, :, :scales].float(), ref_buf.ks[:, :, :scales].float(), rtol=1e-6,
+                                      atol=0))
+              and recent_ok
+              and bool(torch.allclose(buf.vs[:, :, :nk], ref_buf.vs[:, :, :nk], rtol=1e-6, atol=0))
+              and float((buf.vq[:, :, :nk].float() != ref_buf.vq[:, :, :nk].float()).float().mean()) < 1e-3}
     kv_start = kv_end = None
     if padded:
         kv_start = torch.randint(0, max(1, nk // 2), (b,), device=device)
         kv_end = torch.full((b,), nk, device=device)
-    common = dict(int4=int4, causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits)
-    out = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, **common)
-    again = decode_launch.decode(q, kq, ks, vq, vs, v_bar, nk, **common)
-    by_device = decode_launch.decode(q, kq, ks, vq, vs, v_bar, cap, length=torch.tensor([nk], device=device,
+    common = dict(causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits)
+    out = decode_launch.decode(q, buf, v_bar, nk, **common)
+    again = decode_launch.decode(q, buf, v_bar, nk, **common)
+    by_device = decode_launch.decode(q, buf, v_bar, cap, length=torch.tensor([nk], device=device,
                                      dtype=torch.int32), **{**common, "num_splits": None})
     torch.cuda.synchronize() if device == "cuda" else None
-    ref = kv_reference.decode_attention(q, kq, ks, vq, vs, v_bar, nk, precision=precision, causal=True,
-                                      kv_start=kv_start, kv_end=kv_end, dtype=torch.float64).double()
+    ref = kv_reference.decode_attention(q, buf, v_bar, nk, causal=True, kv_start=kv_start, kv_end=kv_end,
+                                        dtype=torch.float64).double()
     scale = ref.abs().max().clamp_min(1e-6)
     eps = torch.finfo(dtype).eps
     tol = (3e-3 + 2 * eps) * scale
@@ -181,7 +188,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     if args.tiny:
         cases = [(1, 4, 2, 1, 37, 32, torch.bfloat16, "int8", False, None),
-                 (2, 8, 2, 3, 50, 64, torch.float16, "int4", True, 2)]
+                 (2, 8, 2, 3, 130, 64, torch.float16, "int4", True, 2)]  # a group completed by the 2nd piece
     elif args.quick:
         cases = FIXED[:4] + random_cases(6, rng)
     else:

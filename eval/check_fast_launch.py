@@ -25,6 +25,7 @@ import torch
 
 import hf_qattn
 from hf_qattn.kernels import decode_launch, fast_launch
+from hf_qattn.kv_cache import reference as kv_reference
 
 import report  # eval/report.py
 from timing import events_ms, host_us  # eval/timing.py
@@ -68,15 +69,12 @@ def decode_call(case, seed):
     k, v = (torch.randn(b, hk, length, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k_bar, v_bar = k.float().mean(2), v.float().mean(2)
-    width = decode_launch.packed_width(d, int4)
 
     def run():
-        kq = torch.zeros(b, hk, length, width, device="cuda", dtype=torch.int8)
-        ks, vs = (torch.zeros(b, hk, length, device="cuda") for _ in range(2))
-        vq = torch.zeros(b, hk, length, d, device="cuda", dtype=torch.float8_e4m3fn)
-        decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
-        out = decode_launch.decode(q, kq, ks, vq, vs, v_bar, length, int4=int4)
-        return kq, ks, vq.view(torch.uint8), vs, out
+        buf = kv_reference.allocate(b, hk, -(-length // 64) * 64, d, "int4" if int4 else "int8", "cuda")
+        decode_launch.append(k, v, k_bar, v_bar, buf, 0)
+        out = decode_launch.decode(q, buf, v_bar, length)
+        return buf.kq, buf.ks, buf.vq.view(torch.uint8), buf.vs, out
     return run
 
 
@@ -117,16 +115,14 @@ def main():
     decode = decode_call(DECODE[0], 7)
     _ = decode()
     b, hq, hk, nq, length, d, int4 = DECODE[0]
-    kq = torch.zeros(b, hk, length, d, device="cuda", dtype=torch.int8)
-    ks, vs = (torch.zeros(b, hk, length, device="cuda") for _ in range(2))
-    vq = torch.zeros(b, hk, length, d, device="cuda", dtype=torch.float8_e4m3fn)
+    buf = kv_reference.allocate(b, hk, -(-length // 16) * 16, d, "int8", "cuda")
     k1, v1 = (torch.randn(b, hk, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     qd = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
     bar = torch.zeros(b, hk, d, device="cuda")
 
     def step():
-        decode_launch.append(k1, v1, bar, bar, kq, ks, vq, vs, length - 1, int4=False)
-        decode_launch.decode(qd, kq, ks, vq, vs, bar, length, int4=False)
+        decode_launch.append(k1, v1, bar, bar, buf, length - 1)
+        decode_launch.decode(qd, buf, bar, length)
 
     def eager_ms(fn):
         return events_ms(fn, calls=20, repeats=5, warmup=3)

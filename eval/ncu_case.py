@@ -32,13 +32,11 @@ def main(case: str) -> None:
         b, hq, hk, n, d = 8, 32, 8, 65536, 128
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         k_bar, v_bar = kv_reference.centers(k, v)
-        kq = torch.empty(b, hk, n, decode_launch.packed_width(d, int4), device="cuda", dtype=torch.int8)
-        ks, vs = (torch.empty(b, hk, n, device="cuda") for _ in range(2))
-        vq = torch.empty(b, hk, n, d, device="cuda", dtype=torch.float8_e4m3fn)
-        decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=int4)
+        buf = kv_reference.allocate(b, hk, n, d, "int4" if int4 else "int8", "cuda")
+        decode_launch.append(k, v, k_bar, v_bar, buf, 0)
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         for _ in range(5):
-            decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=int4)
+            decode_launch.decode(q, buf, v_bar, n)
     elif case.startswith(("prefill-", "cudnn-")):
         import hf_qattn
 

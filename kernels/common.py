@@ -16,6 +16,8 @@ FP8_MAX = tl.constexpr(formats.FP8_E4M3_MAX)
 _V_DITHER_LEVELS = tl.constexpr(formats.V_DITHER_LEVELS)
 _V_DITHER_STEP = tl.constexpr(formats.V_DITHER_STEP)
 LOG2E = tl.constexpr(formats.LOG2E)  # the softmax runs in base 2
+INT4_GROUP = tl.constexpr(formats.KV_INT4_GROUP)  # the KV cache's INT4 K: tokens a group (see formats)
+INT4_LEVELS = tl.constexpr(formats.KV_INT4_LEVELS)
 
 
 @triton.jit
@@ -78,6 +80,17 @@ def to_fp8_e4m3(x, GRID_ROUND: tl.constexpr):
         step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
         x = round_half_even(x / step) * step
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_bf16(x, GRID_ROUND: tl.constexpr):
+    """float32 → bf16, round to nearest even (finite inputs). With GRID_ROUND the float32 bits are rounded to
+    bf16's first 16 first, so the cast is exact: Triton's interpreter (3.9) truncates instead."""
+    if GRID_ROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
 
 
 @triton.jit

@@ -3,21 +3,29 @@
 Storage of one cache layer (B batch, Hk key/value heads, CAP token slots, D head dim):
 
     kq   int8 (B, Hk, CAP, D)        INT8 K − k̄ over its per-token scale (±127), or
-         int8 (B, Hk, CAP, D_PAD/2)  INT4 (±7) packed two a byte: channel c in the low nibble,
-                                     channel c + D_PAD/2 in the high nibble (zeros past D)
-    ks   fp32 (B, Hk, CAP)           δK per token
+         int8 (B, Hk, CAP, D_PAD/2)  INT4 u ∈ [0, 15] packed two a byte: channel c in the low nibble,
+                                     channel c + D_PAD/2 in the high nibble
+    ks   fp32 (B, Hk, CAP)           INT8: δK per token, or
+         bf16 (B, Hk, CAP/G, 2, D)   INT4: per (group of G = KV_INT4_GROUP slots, channel) scale and zero,
+                                     K − k̄ ≈ zero + u · scale
+    kr   (B, Hk, G, D)               INT4: K − k̄ of the incomplete group's tokens, in the model's dtype
     vq   fp8 e4m3 (B, Hk, CAP, D)    (V − v̄) / δV
     vs   fp32 (B, Hk, CAP)           δV per token (max |V − v̄| of the token over 448)
     k̄, v̄ fp32 (B·Hk, D)              centers, fixed when the layer is first filled
 
-``append_kernel`` quantizes new tokens (any layout, by strides) into slots [pos0, pos0 + N).
-Each token is quantized once, there, and never again.
+(``hf_qattn.kv_cache.reference`` is the same math in PyTorch; its ``Buffers`` holds these tensors.)
+
+``append_kernel`` quantizes new tokens (any layout, by strides) into slots [pos0, pos0 + N). Each
+token's V and INT8 K are quantized once, there; INT4 K a group at a time, when the group's last token
+arrives (until then the group's tokens wait in ``kr``).
 
 ``decode_kernel`` — one program per (query chunk, batch·kv-head, split of the cached tokens).
 The tile's rows are all query heads of one KV group times QT query tokens (GQA packing: the
 group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens:
 
-    S = (q · K̂ᵀ) · δK · sm_scale·log2 e       K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
+    S = (q · K̂ᵀ) · δK · sm_scale·log2 e       INT8: K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
+    S = ((q ⊙ scale) · uᵀ + q · zero) · …     INT4: one group a tile, its scales folded into q (bf16)
+    S = q · kr                                 the incomplete INT4 group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
     O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
 
@@ -40,18 +48,67 @@ dim needs no padding); only the last tile of a split is masked.
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, SCALE_FLOOR, quantize_symmetric, scale_to_fp8
+from .common import (FP8_MAX, INT4_GROUP, INT4_LEVELS, SCALE_FLOOR, mul_rn, quantize_symmetric, reciprocal,
+                     round_half_even, scale_to_fp8, to_bf16)
+
+
+@triton.jit
+def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, complete, stride_kd,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GRID_ROUND: tl.constexpr):
+    """One INT4 group of G slots: rows of new tokens (``new_ok``) from K, rows before them (slots < pos0 of the
+    group being filled) from ``KR``. A complete group is quantized per channel (min/max: scale and zero in
+    bf16, u = round((x − zero) / scale) ∈ [0, 15]); an incomplete one keeps its new rows in ``KR``."""
+    HALF: tl.constexpr = D_PAD // 2
+    c = tl.arange(0, HALF)
+    r = tl.arange(0, INT4_GROUP)
+    lo_ok = (c < HEAD_DIM)[None, :]
+    hi_ok = ((c + HALF) < HEAD_DIM)[None, :]
+    old_ok = (rows < 0)[:, None]  # the group's earlier tokens, waiting in KR
+    kb_lo = tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :]
+    kb_hi = tl.load(K_BAR + bh * HEAD_DIM + c + HALF, mask=(c + HALF) < HEAD_DIM, other=0.0)[None, :]
+    x_lo = tl.load(K_rows + c[None, :] * stride_kd, mask=new_ok[:, None] & lo_ok, other=0.0).to(tl.float32) - kb_lo
+    x_hi = (tl.load(K_rows + (c + HALF)[None, :] * stride_kd, mask=new_ok[:, None] & hi_ok, other=0.0)
+            .to(tl.float32) - kb_hi)
+    r_lo = tl.load(KR + r[:, None] * HEAD_DIM + c[None, :], mask=old_ok & lo_ok, other=0.0).to(tl.float32)
+    r_hi = tl.load(KR + r[:, None] * HEAD_DIM + (c + HALF)[None, :], mask=old_ok & hi_ok, other=0.0).to(tl.float32)
+    x_lo = tl.where(new_ok[:, None], x_lo, r_lo)
+    x_hi = tl.where(new_ok[:, None], x_hi, r_hi)
+    if complete:
+        levels = tl.full([HALF], INT4_LEVELS, tl.float32)
+        zero_lo = to_bf16(tl.min(x_lo, axis=0), GRID_ROUND)
+        zero_hi = to_bf16(tl.min(x_hi, axis=0), GRID_ROUND)
+        scale_lo = to_bf16(tl.math.div_rn(tl.maximum(tl.max(x_lo, axis=0) - tl.min(x_lo, axis=0), SCALE_FLOOR),
+                                          levels), GRID_ROUND)
+        scale_hi = to_bf16(tl.math.div_rn(tl.maximum(tl.max(x_hi, axis=0) - tl.min(x_hi, axis=0), SCALE_FLOOR),
+                                          levels), GRID_ROUND)
+        u_lo = round_half_even(mul_rn(x_lo - zero_lo.to(tl.float32)[None, :],
+                                      reciprocal(scale_lo.to(tl.float32))[None, :], GRID_ROUND))
+        u_hi = round_half_even(mul_rn(x_hi - zero_hi.to(tl.float32)[None, :],
+                                      reciprocal(scale_hi.to(tl.float32))[None, :], GRID_ROUND))
+        u_lo = tl.minimum(tl.maximum(u_lo, 0.0), INT4_LEVELS).to(tl.int32)
+        u_hi = tl.minimum(tl.maximum(u_hi, 0.0), INT4_LEVELS).to(tl.int32)
+        tl.store(KQ_rows + c[None, :], (u_lo | (u_hi << 4)).to(tl.int8))
+        tl.store(KG_group + c, scale_lo, mask=c < HEAD_DIM)
+        tl.store(KG_group + HEAD_DIM + c, zero_lo, mask=c < HEAD_DIM)
+        tl.store(KG_group + c + HALF, scale_hi, mask=(c + HALF) < HEAD_DIM)
+        tl.store(KG_group + HEAD_DIM + c + HALF, zero_hi, mask=(c + HALF) < HEAD_DIM)
+    else:
+        tl.store(KR + r[:, None] * HEAD_DIM + c[None, :], x_lo.to(KR.dtype.element_ty), mask=new_ok[:, None] & lo_ok)
+        tl.store(KR + r[:, None] * HEAD_DIM + (c + HALF)[None, :], x_hi.to(KR.dtype.element_ty),
+                 mask=new_ok[:, None] & hi_ok)
 
 
 # Ints that change from one generated token to the next are not specialized on (Triton would compile
 # a variant the first time one is 1 or divisible by 16: in the middle of a generation)
 @triton.jit(do_not_specialize=["pos0"])
 def append_kernel(
-    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, pos0, POS,
+    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, KR, pos0, POS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_qb, stride_qh, stride_qn,
     stride_sb, stride_sh,
+    stride_gb, stride_gh, stride_gg,
+    stride_rb, stride_rh,
     stride_wb, stride_wh, stride_wn,
     HK, N,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, INT4: tl.constexpr,
@@ -63,30 +120,25 @@ def append_kernel(
         pos0 = tl.load(POS)
     b = (bh // HK).to(tl.int64)
     hk = bh % HK
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < N
-    slots = pos0 + rows
+    if INT4:  # a program per group of slots touched (K of a group is quantized together), from pos0's group
+        tl.static_assert(BLOCK_T == INT4_GROUP)
+        group = pos0 // INT4_GROUP + tile
+        slots = group * INT4_GROUP + tl.arange(0, BLOCK_T)
+        rows = slots - pos0  # index of the new token in each slot (< 0: an earlier token of the group)
+    else:
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        slots = pos0 + rows
+    row_ok = (rows >= 0) & (rows < N)
     k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
     q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
     s_off = b * stride_sb + hk * stride_sh + slots
 
-    # --- K: subtract the fixed center, one scale per token, round to the integer grid
+    # --- K: subtract the fixed center; INT4 per channel over the group, INT8 one scale per token
     if INT4:
-        HALF: tl.constexpr = D_PAD // 2
-        c = tl.arange(0, HALF)
-        lo_ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
-        hi_ok = row_ok[:, None] & ((c + HALF) < HEAD_DIM)[None, :]
-        k_lo = tl.load(k_base + c[None, :] * stride_kd, mask=lo_ok, other=0.0).to(tl.float32)
-        k_hi = tl.load(k_base + (c + HALF)[None, :] * stride_kd, mask=hi_ok, other=0.0).to(tl.float32)
-        k_lo = tl.where(lo_ok, k_lo - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-        k_hi = tl.where(hi_ok, k_hi - tl.load(K_BAR + bh * HEAD_DIM + c + HALF, mask=(c + HALF) < HEAD_DIM,
-                                              other=0.0)[None, :], 0.0)
-        amax = tl.maximum(tl.max(tl.abs(k_lo), axis=1), tl.max(tl.abs(k_hi), axis=1))
-        k_scale = tl.maximum(amax, SCALE_FLOOR) / 7.0
-        lo = quantize_symmetric(k_lo, k_scale[:, None], 7.0, GRID_ROUND)
-        hi = quantize_symmetric(k_hi, k_scale[:, None], 7.0, GRID_ROUND)
-        packed = (lo & 15) | (hi << 4)
-        tl.store(q_base + c[None, :], packed, mask=row_ok[:, None])
+        if group * INT4_GROUP < pos0 + N:  # a device-side pos0 may leave the grid's last program nothing to do
+            _append_k_group(k_base, K_BAR, q_base, KS + b * stride_gb + hk * stride_gh + group * stride_gg,
+                            KR + b * stride_rb + hk * stride_rh, bh, rows, row_ok,
+                            group * INT4_GROUP + INT4_GROUP <= pos0 + N, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
     else:
         c = tl.arange(0, D_PAD)
         ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
@@ -94,7 +146,7 @@ def append_kernel(
         k = tl.where(ok, k - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0
         tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0, GRID_ROUND), mask=ok)
-    tl.store(KS + s_off, k_scale, mask=row_ok)
+        tl.store(KS + s_off, k_scale, mask=row_ok)
 
     # --- V: subtract the fixed center, one scale per token, FP8 E4M3
     c = tl.arange(0, D_PAD)
@@ -124,12 +176,27 @@ def _load_tile(ptrs, n_ok, col_ok, other, MASK_N: tl.constexpr, EVEN: tl.constex
 
 
 @triton.jit
+def _dot_t(a, b, INTERPRET: tl.constexpr):
+    """a · bᵀ, fp32 accumulate: b converted to a's dtype (exact for integers ≤ 255), or under the interpreter
+    both in fp32 (its bf16 dot and int8 → bf16 cast are wrong in 3.9; fp32 is exact)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    else:
+        return tl.dot(a, tl.trans(b.to(a.dtype)))
+
+
+@triton.jit
 def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-                 stride_kn, stride_vn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count,
+                 k_group_base, k_recent_base, recent_lo,
+                 stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
+                 ring_lo, ring_count,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
-                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr):
+                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr,
+                 RECENT: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
+    INT4: the tile is one group (BLOCK_N = G) of packed K, or with RECENT the incomplete group's tokens from
+    ``k_recent_base`` (slot ``recent_lo`` is its row 0).
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
     of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
@@ -138,30 +205,58 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     if INT4:
-        c = tl.arange(0, D_PAD // 2)
-        packed = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c >= 0, 0, MASK_N, True)
-        k_lo = (packed << 4).to(tl.int8) >> 4  # sign-extends the low nibble
-        k_hi = packed >> 4
-        if INTERPRET:  # the interpreter's bf16 dot and int8 → bf16 cast are wrong (3.9); fp32 is exact
-            qk = (tl.dot(q_lo.to(tl.float32), tl.trans(k_lo.to(tl.float32)))
-                  + tl.dot(q_hi.to(tl.float32), tl.trans(k_hi.to(tl.float32))))
-        else:
-            qk = (tl.dot(q_lo, tl.trans(k_lo.to(q_lo.dtype)))
-                  + tl.dot(q_hi, tl.trans(k_hi.to(q_hi.dtype))))
+        HALF: tl.constexpr = D_PAD // 2
+        c = tl.arange(0, HALF)
+        lo_ok = c < HEAD_DIM
+        hi_ok = (c + HALF) < HEAD_DIM
+        if RECENT:  # K − k̄ in full precision: rows of k_recent, masked past hi
+            rows = k_recent_base + (offs_n - recent_lo)[:, None] * stride_rn
+            k_lo = tl.load(rows + c[None, :], mask=n_ok[:, None] & lo_ok[None, :], other=0.0)
+            k_hi = tl.load(rows + (c + HALF)[None, :], mask=n_ok[:, None] & hi_ok[None, :], other=0.0)
+            qk = _dot_t(q_lo, k_lo, INTERPRET) + _dot_t(q_hi, k_hi, INTERPRET)
+        else:  # one group: its scales folded into q, q · zero added to every key's score
+            packed = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c >= 0, 0, MASK_N, True)
+            group = k_group_base + (start // BLOCK_N) * stride_gg
+            scale_lo = tl.load(group + c, mask=lo_ok, other=0.0).to(tl.float32)
+            scale_hi = tl.load(group + c + HALF, mask=hi_ok, other=0.0).to(tl.float32)
+            zero_lo = tl.load(group + HEAD_DIM + c, mask=lo_ok, other=0.0).to(tl.float32)
+            zero_hi = tl.load(group + HEAD_DIM + c + HALF, mask=hi_ok, other=0.0).to(tl.float32)
+            qf_lo = q_lo.to(tl.float32)
+            qf_hi = q_hi.to(tl.float32)
+            if INTERPRET:  # fp32 (see _dot_t)
+                qs_lo = qf_lo * scale_lo[None, :]
+                qs_hi = qf_hi * scale_hi[None, :]
+                row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :], axis=1)
+                qk = _dot_t(qs_lo, packed & 15, INTERPRET) + _dot_t(qs_hi, (packed >> 4) & 15, INTERPRET)
+            else:
+                # bf16 keeps q ⊙ scale's range (fp16 could overflow on outlier channels). The nibbles become bf16
+                # without a conversion instruction: the bits 0x4300 | u are the bf16 of 128 + u (exact, u < 128),
+                # so the dot gives Σ qs·u + 128·Σ qs, and the row term takes the 128·Σ qs back out.
+                qs_lo = (qf_lo * scale_lo[None, :]).to(tl.bfloat16)
+                qs_hi = (qf_hi * scale_hi[None, :]).to(tl.bfloat16)
+                wide = packed.to(tl.int16)
+                k_lo = ((wide & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
+                k_hi = (((wide >> 4) & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
+                row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :]
+                             - 128.0 * (qs_lo.to(tl.float32) + qs_hi.to(tl.float32)), axis=1)
+                qk = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
+            qk = qk + row[:, None]
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
-        if INTERPRET:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+        qk = _dot_t(q, k, INTERPRET)
     if MASK_N:
-        k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
         v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
     else:
-        k_scale = tl.load(KS + s_base + offs_n)
         v_scale = tl.load(VS + s_base + offs_n)
-    s = qk * (k_scale * score_coef)[None, :]
+    if INT4:
+        s = qk * score_coef
+    else:
+        if MASK_N:
+            k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
+        else:
+            k_scale = tl.load(KS + s_base + offs_n)
+        s = qk * (k_scale * score_coef)[None, :]
     if SOFTCAP:  # tanh(t) = 1 − 2 / (exp(2t) + 1), saturating to ±1 (no tanh in the interpreter's math)
         t = (s + shift[:, None]) / softcap2
         s = softcap2 * (1.0 - 2.0 / (tl.math.exp2(t * 2.885390081777927) + 1.0))
@@ -206,10 +301,12 @@ def _with_sink(acc, m, l, seen, sink2, v_bar):
 
 @triton.jit(do_not_specialize=["NK", "SPLIT_LEN", "NUM_SPLITS"])
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
+    Q, KQ, KS, VQ, VS, KR, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
+    stride_gb, stride_gh, stride_gg,
+    stride_rb, stride_rh, stride_rn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_on, stride_oh, stride_od,
     HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef, softcap2, window, chunk_size, ring,
@@ -293,25 +390,47 @@ def decode_kernel(
     if CHUNK:
         first_key = tl.maximum(first_key, tl.maximum(diag + chunk * QT, 0) // chunk_size * chunk_size)
     lo = tl.maximum(lo, tl.maximum(first_key, 0) // BLOCK_N * BLOCK_N)
+    # INT4: whole groups are packed K (a tile each), the incomplete group's tokens from NK // G · G on are in KR
+    if INT4:
+        tl.static_assert(BLOCK_N == INT4_GROUP)
+        packed_hi = NK // BLOCK_N * BLOCK_N
+    else:
+        packed_hi = NK
+    hi_packed = tl.minimum(hi, packed_hi)
     # whole tiles first (no bound mask: wide loads), then at most one partial tile
-    hi_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    hi_full = tl.maximum(lo, lo + (hi_packed - lo) // BLOCK_N * BLOCK_N)
 
     k_base = KQ + b * stride_kb + hk * stride_kh
     s_base = b * stride_sb + hk * stride_sh
     v_base = VQ + b * stride_vb + hk * stride_vh
+    if INT4:
+        g_base = KS + b * stride_gb + hk * stride_gh
+        r_base = KR + b * stride_rb + hk * stride_rh
+    else:  # unused
+        g_base = KS
+        r_base = KS
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                     s_base, v_base, stride_kn, stride_vn, score_coef, shift, softcap2, window,
-                                     chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL,
-                                     HAS_KV_RANGE, False, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING)
-    for start in range(hi_full, hi, BLOCK_N):
+                                     s_base, v_base, g_base, r_base, packed_hi, stride_kn, stride_vn, stride_gg,
+                                     stride_rn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo,
+                                     ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, False,
+                                     INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False)
+    for start in range(hi_full, hi_packed, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                     s_base, v_base, stride_kn, stride_vn, score_coef, shift, softcap2, window,
-                                     chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL,
-                                     HAS_KV_RANGE, True, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING)
+                                     s_base, v_base, g_base, r_base, packed_hi, stride_kn, stride_vn, stride_gg,
+                                     stride_rn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo,
+                                     ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True,
+                                     INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False)
+    if INT4:  # the incomplete group: at most one tile, in the split that reaches it
+        for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+                                         s_base, v_base, g_base, r_base, packed_hi, stride_kn, stride_vn, stride_gg,
+                                         stride_rn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo,
+                                         ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True,
+                                         INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)

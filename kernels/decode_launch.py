@@ -18,26 +18,41 @@ from . import tuning
 from .fast_launch import fast
 from .decode import append_kernel, decode_kernel
 
-from .formats import LOG2E
+from .formats import KV_INT4_GROUP as GROUP, LOG2E
 
 
-def packed_width(head_dim: int, int4: bool) -> int:
-    """Bytes of K per token and head: D for INT8, D_PAD/2 for INT4 (two channels a byte)."""
-    return tuning.padded_head_dim(head_dim) // 2 if int4 else head_dim
+def _check_buffers(buffers) -> bool:
+    """Whether ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its fields) is INT4; the
+    kernels index the INT4 group scales and the recent tokens assuming contiguous rows."""
+    int4 = buffers.precision == "int4"
+    if int4 and not (buffers.ks.stride(-1) == 1 and buffers.ks.stride(-2) == buffers.ks.shape[-1]
+                     and buffers.k_recent.stride(-1) == 1 and buffers.k_recent.stride(-2) == buffers.k_recent.shape[-1]):
+        raise ValueError("INT4 buffers need contiguous group scales (…, 2, D) and recent rows (…, G, D)")
+    return int4
 
 
-def append(k, v, k_bar, v_bar, kq, ks, vq, vs, pos0: int | torch.Tensor, *, int4: bool) -> None:
-    """Quantize k, v (B, Hk, N, D) into slots [pos0, pos0 + N) of kq, ks, vq, vs (B, Hk, CAP, ·): one launch.
+def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor) -> None:
+    """Quantize k, v (B, Hk, N, D) into slots [pos0, pos0 + N) of ``buffers`` (``reference.Buffers``): one launch.
+    INT4 K is quantized a group at a time, when the group's last token arrives (``reference.append``).
     ``pos0`` may be a one-element int32 tensor on the device (read by the kernel: CUDA-graph replayable)."""
     b, hk, n, d = k.shape
     if n == 0:
         return
-    block_t = tuning.decode_config(tuning.interpreting())["APPEND_BLOCK_T"] if n > 16 else 16
+    int4 = _check_buffers(buffers)
     device_pos = isinstance(pos0, torch.Tensor)
-    fast(append_kernel)[(triton.cdiv(n, block_t), b * hk)](
-        k, v, k_bar, v_bar, kq, ks, vq, vs, 0 if device_pos else pos0, pos0 if device_pos else None,
-        *k.stride(), *v.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3],
-        hk, n,
+    if int4:  # a program per group touched: pos0's group and the ones the tokens reach (one more, unknown pos0)
+        block_t = GROUP
+        tiles = triton.cdiv(n, GROUP) + 1 if device_pos else (pos0 + n - 1) // GROUP - pos0 // GROUP + 1
+    else:
+        block_t = tuning.decode_config(tuning.interpreting())["APPEND_BLOCK_T"] if n > 16 else 16
+        tiles = triton.cdiv(n, block_t)
+    kq, ks, vq, vs, kr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent
+    group_strides = ks.stride()[:3] if int4 else (0, 0, 0)
+    recent_strides = kr.stride()[:2] if int4 else (0, 0)
+    fast(append_kernel)[(tiles, b * hk)](
+        k, v, k_bar, v_bar, kq, ks, vq, vs, kr, 0 if device_pos else pos0, pos0 if device_pos else None,
+        *k.stride(), *v.stride(), *kq.stride()[:3], *vs.stride()[:2], *group_strides, *recent_strides,
+        *vq.stride()[:3], hk, n,
         HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4,
         GRID_ROUND=tuning.interpreting(), DEVICE_POS=device_pos, num_warps=4,
     )
@@ -113,7 +128,7 @@ def _workspace(device: torch.device, rows: int, d_pad: int, tiles: int):
     return ws
 
 
-def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | None = None, causal: bool = True,
+def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal: bool = True,
            kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None,
            length: torch.Tensor | None = None, window: int | None = None, chunk: int | None = None,
            sinks: torch.Tensor | None = None, softcap: float | None = None, k_bar: torch.Tensor | None = None,
@@ -121,7 +136,8 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, waves: float | None = None,
            maxnreg: int | None = None) -> torch.Tensor:
-    """Attention of q (B, Hq, Nq, D) over the first ``nk`` cached tokens → (B, Nq, Hq, D) in q's dtype.
+    """Attention of q (B, Hq, Nq, D) over the first ``nk`` tokens of ``buffers`` (``reference.Buffers``, or any
+    object with its fields) → (B, Nq, Hq, D) in q's dtype.
 
     ``causal`` aligns the diagonal bottom-right (query i sees keys ≤ nk − Nq + i); with one query it
     changes nothing. ``kv_start`` / ``kv_end`` (B,) restrict each sequence to keys [start, end).
@@ -138,10 +154,19 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
     No host synchronization, no allocation but ``out`` when it is not given; one kernel launch (with
     several splits, the last split program to finish merges them).
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
-    thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config`.
+    thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config` (INT4 K reads a
+    group a tile: ``block_n`` is the group, ``KV_INT4_GROUP``).
     """
     b, hq, nq, d = q.shape
+    kq, ks, vq, vs, kr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent
+    int4 = _check_buffers(buffers)
     hk = kq.shape[1]
+    if int4:
+        if block_n not in (None, GROUP):
+            raise ValueError(f"block_n must be the INT4 group ({GROUP}) for INT4 K; got {block_n}")
+        if ring is not None:
+            raise ValueError("INT4 K is not stored in rings (sliding-window / chunked cache layers keep INT8)")
+        block_n = GROUP
     groups = hq // hk
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
@@ -176,9 +201,10 @@ def decode(q, kq, ks, vq, vs, v_bar, nk: int, *, int4: bool, sm_scale: float | N
         maxnreg = settings["maxnreg"] if d_pad <= 128 else 0
     extra.update(tuning.register_cap(maxnreg))
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
-        q, kq, ks, vq, vs, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
+        q, kq, ks, vq, vs, kr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
         k_bar if (sinks is not None or softcap is not None) else None, sinks,
-        *q.stride(), *kq.stride()[:3], *ks.stride()[:2], *vq.stride()[:3], *out.stride(),
+        *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if int4 else (0, 0, 0)),
+        *(kr.stride()[:3] if int4 else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
         hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
         1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1, ring or 1,
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],

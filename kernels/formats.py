@@ -33,6 +33,15 @@ def v_dither(tile: int) -> float:
     return 1.0 + ((tile * V_DITHER_STEP) % V_DITHER_LEVELS) / V_DITHER_LEVELS
 
 
+# The quantized KV cache's 4-bit K (KIVI's layout): K − k̄ per channel over groups of this many consecutive
+# tokens, each (group, channel) with a bf16 scale and zero point and values 0..15; the newest tokens of an
+# incomplete group stay in full precision until it completes. Per token (one scale over the channels) cost
+# SmolLM2 +10 % perplexity, per-channel groups of 16–128 tokens +0.35–1.13 %
+# (eval/results/cache-k-formats-*.md); 64 is the decode kernel's key tile on the GPU, so a tile is a group
+# and its scales are folded into q once a tile. Scale and zero cost 8 bytes a token at d128 (K: 64 bytes).
+KV_INT4_GROUP = 64
+KV_INT4_LEVELS = 15  # the largest 4-bit value: u ∈ [0, 15], K − k̄ ≈ zero + u · scale
+
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30
 

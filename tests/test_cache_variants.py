@@ -54,8 +54,15 @@ def mismatch(out, ref) -> str | None:
 
 def storage(k, v, precision):
     k_bar, v_bar = kv_reference.centers(k, v)
-    kq, ks, vq, vs = kv_reference.quantize_tokens(k, v, k_bar, v_bar, precision)
-    return dict(kq=kq, ks=ks, vq=vq, vs=vs, k_bar=k_bar, v_bar=v_bar)
+    b, hk, n, d = k.shape
+    buf = kv_reference.allocate(b, hk, -(-n // 64) * 64, d, precision, k.device, k.dtype)
+    kv_reference.append(k, v, k_bar, v_bar, buf, 0)
+    return dict(buf=buf, k_bar=k_bar, v_bar=v_bar)
+
+
+def tiles(precision: str) -> dict:
+    """16-key tiles (several splits of a short cache on a GPU too); INT4 reads its 64-token groups."""
+    return {} if precision == "int4" else {"block_n": 16}
 
 
 def shifted_kv(b, hk, n, d):
@@ -86,14 +93,14 @@ def test_decode_kernel_variants_match_float64(seed, nq, nk, window, chunk, sinks
     q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=torch.float16)
     sink = (torch.randn(hq, device=DEVICE) * 2 + 1).to(torch.bfloat16) if sinks else None
     rules = dict(window=window, chunk=chunk, sinks=sink, softcap=softcap)
-    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=precision == "int4",
-                               k_bar=st["k_bar"], num_splits=splits, block_n=16, **rules)
-    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk,
-                                        precision=precision, k_bar=st["k_bar"], **rules)
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], nk,
+                               k_bar=st["k_bar"], num_splits=splits, **tiles(precision), **rules)
+    ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], nk, k_bar=st["k_bar"], **rules)
     assert mismatch(out, ref) is None, mismatch(out, ref)
     # the reference itself against exact attention over the dequantized K, V (centers added back)
-    k_hat = kv_reference.dequantize_k(st["kq"], st["ks"], d, precision, torch.float64) + st["k_bar"][:, :, None]
-    v_hat = kv_reference.dequantize_v(st["vq"], st["vs"], torch.float64) + st["v_bar"][:, :, None]
+    k_hat = kv_reference.dequantize_k(st["buf"], d, nk, torch.float64) + st["k_bar"][:, :, None]
+    v_hat = kv_reference.dequantize_v(st["buf"].vq[:, :, :nk], st["buf"].vs[:, :, :nk], torch.float64)
+    v_hat = v_hat + st["v_bar"][:, :, None]
     exact = reference.exact_attention(q, k_hat, v_hat, is_causal=True, **rules).transpose(1, 2)
     assert (ref.double() - exact).abs().max() <= 1e-3 * exact.abs().max()
     # and the storage's quantization error against exact attention over the original K, V
@@ -110,14 +117,13 @@ def test_decode_kernel_ring_ranges(seed, splits):
     q = torch.randn(3, 4, 1, d, device=DEVICE, dtype=torch.float16)
     first = torch.tensor([30, 5, 0], device=DEVICE)
     count = torch.tensor([25, 12, 0], device=DEVICE)  # wraps, inside, empty
-    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], span, int4=False,
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], span,
                                kv_start=first, kv_end=count, ring=span, num_splits=splits, block_n=16,
                                softcap=4.0, k_bar=st["k_bar"])
     for b in range(3):
         slots = (first[b] + torch.arange(int(count[b]), device=DEVICE)) % span
-        ref = kv_reference.decode_attention(q[b:b + 1], st["kq"][b:b + 1, :, slots], st["ks"][b:b + 1, :, slots],
-                                            st["vq"][b:b + 1, :, slots], st["vs"][b:b + 1, :, slots],
-                                            st["v_bar"][b:b + 1], int(count[b]), precision="int8", softcap=4.0,
+        ring = kv_reference.Buffers("int8", *(t[b:b + 1, :, slots] for t in st["buf"][1:5]), None)
+        ref = kv_reference.decode_attention(q[b:b + 1], ring, st["v_bar"][b:b + 1], int(count[b]), softcap=4.0,
                                             k_bar=st["k_bar"][b:b + 1])
         assert mismatch(out[b:b + 1], ref) is None, (b, mismatch(out[b:b + 1], ref))
     assert not out[2].any()  # a sequence that sees no key: zeros
@@ -128,12 +134,12 @@ def test_decode_kernel_variants_cost_nothing_when_off(seed):
     k, v = shifted_kv(1, 2, 37, 32)
     st = storage(k, v, "int8")
     q = torch.randn(1, 4, 1, 32, device=DEVICE, dtype=torch.float16)
-    plain = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False)
-    with_bar = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False,
+    plain = decode_launch.decode(q, st["buf"], st["v_bar"], 37)
+    with_bar = decode_launch.decode(q, st["buf"], st["v_bar"], 37,
                                     k_bar=st["k_bar"])
     assert torch.equal(plain, with_bar)
     with pytest.raises(ValueError, match="k_bar"):
-        decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 37, int4=False, softcap=5.0)
+        decode_launch.decode(q, st["buf"], st["v_bar"], 37, softcap=5.0)
 
 
 MUTATIONS = {
@@ -157,10 +163,9 @@ def test_variant_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
         rules = dict(rules, sinks=torch.full((4,), 2.0, device=DEVICE))
 
     def run():
-        out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45, int4=False,
+        out = decode_launch.decode(q, st["buf"], st["v_bar"], 45,
                                    k_bar=st["k_bar"], num_splits=2, block_n=16, **rules)
-        ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
-                                            precision="int8", k_bar=st["k_bar"], **rules)
+        ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], 45, k_bar=st["k_bar"], **rules)
         return mismatch(out, ref)
 
     assert run() is None

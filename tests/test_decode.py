@@ -8,7 +8,7 @@ Mutated copies of the kernel (diagonal moved, v̄ dropped, splits merged without
 must fail the first check — that is what makes its tolerance meaningful.
 
 On a GPU the launch's key tile is 64 tokens: tests that want several splits of these short caches pass
-``block_n=16``.
+``block_n=16`` (INT8; INT4 K is read a 64-token group a tile).
 """
 
 from __future__ import annotations
@@ -39,17 +39,27 @@ def outlier_kv(b, hk, n, d):
 
 
 def fill(k, v, precision, capacity=None):
-    """Storage buffers (slack past the tokens, as in a growing cache) filled by the append kernel."""
+    """Storage buffers (slack past the tokens, as in a growing cache; INT4: whole groups) holding garbage, then
+    filled by the append kernel."""
     b, hk, n, d = k.shape
     cap = capacity or n + 5
-    width = decode_launch.packed_width(d, precision == "int4")
+    if precision == "int4":
+        cap = -(-cap // kv_reference.GROUP) * kv_reference.GROUP
     k_bar, v_bar = kv_reference.centers(k, v)
-    kq = torch.full((b, hk, cap, width), 99, dtype=torch.int8, device=DEVICE)  # garbage past the tokens
-    ks = torch.full((b, hk, cap), 1e6, device=DEVICE)
-    vq = torch.full((b, hk, cap, d), 448.0, device=DEVICE).to(torch.float8_e4m3fn)
-    vs = torch.full((b, hk, cap), 1e6, device=DEVICE)
-    decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=precision == "int4")
-    return dict(kq=kq, ks=ks, vq=vq, vs=vs, k_bar=k_bar, v_bar=v_bar)
+    buf = kv_reference.allocate(b, hk, cap, d, precision, DEVICE, k.dtype)
+    buf.kq.fill_(99)  # garbage past the tokens
+    buf.ks.fill_(1e6)
+    buf.vq.copy_(torch.full_like(buf.vs[..., None], 448.0).expand(buf.vq.shape))
+    buf.vs.fill_(1e6)
+    if buf.k_recent is not None:
+        buf.k_recent.fill_(1e6)
+    decode_launch.append(k, v, k_bar, v_bar, buf, 0)
+    return dict(buf=buf, k_bar=k_bar, v_bar=v_bar)
+
+
+def tiles(precision: str) -> dict:
+    """16-key tiles, so that short caches make several splits on a GPU too; INT4 reads its 64-token groups."""
+    return {} if precision == "int4" else {"block_n": 16}
 
 
 def mismatch(out, ref) -> str | None:
@@ -76,6 +86,7 @@ CASES = [
     (2, 6, 2, 3, 90, 64, torch.bfloat16, "int4", True, 4),       # GQA 3, several splits
     (1, 2, 2, 2, 19, 128, torch.float16, "int8", False, None),   # d128
     (1, 16, 2, 11, 29, 32, torch.bfloat16, "int4", False, 2),    # GQA 8 · q_len 11 → query chunks
+    (2, 8, 2, 2, 200, 64, torch.bfloat16, "int4", True, 3),      # INT4: 3 groups and 8 recent tokens, 3 splits
 ]
 
 
@@ -95,12 +106,11 @@ def test_decode_matches_float64(seed, case):
         kv_start = torch.randint(0, nk // 2, (b,), device=DEVICE)
         kv_end = torch.full((b,), nk, device=DEVICE)
         kv_end[-1] = nk - 3
-    tiles = {"block_n": 16} if splits and splits > 1 else {}  # several splits on a GPU too
-    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=precision == "int4",
-                               causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits, **tiles)
+    tile = tiles(precision) if splits and splits > 1 else {}  # several splits on a GPU too
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], nk,
+                               causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits, **tile)
     assert out.shape == (b, nq, hq, d) and out.dtype == dtype
-    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk,
-                                      precision=precision, causal=True, kv_start=kv_start, kv_end=kv_end)
+    ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], nk, causal=True, kv_start=kv_start, kv_end=kv_end)
     assert mismatch(out, ref) is None, mismatch(out, ref)
     # against exact attention on the unquantized K/V: the error of the cache format itself
     exact = reference.exact_attention(q, k.to(dtype), v.to(dtype), is_causal=nq > 1, kv_start=kv_start,
@@ -115,12 +125,11 @@ def test_rows_without_keys_are_zero(seed):
     st = fill(k, v, "int8")
     q = torch.randn(1, 4, 6, 32, device=DEVICE)
     kv_start = torch.tensor([17], device=DEVICE)  # query i sees keys [17, 14 + i]: the first three rows see none
-    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 20, int4=False,
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], 20,
                                kv_start=kv_start, num_splits=2, block_n=16)
     assert torch.isfinite(out).all()
     assert (out[:, :3] == 0).all() and (out[:, 3:].abs().sum(-1) > 0).all()
-    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 20,
-                                      precision="int8", kv_start=kv_start)
+    ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], 20, kv_start=kv_start)
     assert mismatch(out, ref) is None, mismatch(out, ref)
 
 
@@ -128,14 +137,15 @@ def test_rows_without_keys_are_zero(seed):
 def test_split_merge_matches_reference_call_after_call(seed, precision):
     """The splits merged in the decode launch (by the last split program to arrive) match the reference,
     and a second call gives the same bits: the arrival counters are left at zero for the next launch."""
-    k, v = outlier_kv(2, 2, 75, 64)
+    n = 75 if precision == "int8" else 300  # several tiles: 16 keys (INT8), 64 (INT4)
+    k, v = outlier_kv(2, 2, n, 64)
     st = fill(k, v, precision)
     q = torch.randn(2, 8, 3, 64, device=DEVICE, dtype=torch.bfloat16)
-    args = (q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 75)
-    ref = kv_reference.decode_attention(*args, precision=precision)
+    args = (q, st["buf"], st["v_bar"], n)
+    ref = kv_reference.decode_attention(*args)
     first = None
     for _ in range(2):
-        out = decode_launch.decode(*args, int4=precision == "int4", num_splits=4, block_n=16)
+        out = decode_launch.decode(*args, num_splits=4, **tiles(precision))
         assert mismatch(out, ref) is None, mismatch(out, ref)
         assert not any(ws[3].any() for ws in decode_launch._WORKSPACE.values())
         if first is None:
@@ -151,7 +161,7 @@ def test_split_merge_propagates_non_finite_query(seed):
     st = fill(k, v, "int8")
     q = torch.randn(1, 4, 2, 32, device=DEVICE)
     q[0, 1, 0, 3] = math.nan
-    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 40, int4=False, num_splits=3,
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], 40, num_splits=3,
                                block_n=16)
     assert torch.isnan(out[0, 0, 1]).all()
     assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
@@ -186,52 +196,60 @@ def test_token_count_read_from_device_memory(seed, precision):
     host-side positions write, bit for bit; decoding planned for the whole capacity reads only the first
     ``length`` tokens (the slots past them hold garbage: reading one would blow the result up), with the
     causal diagonal of several queries placed by the device count."""
-    b, hk, hq, d, cap = 2, 2, 8, 64, 90
-    k, v = outlier_kv(b, hk, 50, d)
+    b, hk, hq, d, cap = 2, 2, 8, 64, 128
+    k, v = outlier_kv(b, hk, 90, d)
     k_bar, v_bar = kv_reference.centers(k[:, :, :30], v[:, :, :30])
-    width = decode_launch.packed_width(d, precision == "int4")
     stores = []
     for device_pos in (False, True):
-        kq = torch.full((b, hk, cap, width), 99, dtype=torch.int8, device=DEVICE)
-        ks = torch.full((b, hk, cap), 1e6, device=DEVICE)
-        vq = torch.full((b, hk, cap, d), 448.0, device=DEVICE).to(torch.float8_e4m3fn)
-        vs = torch.full((b, hk, cap), 1e6, device=DEVICE)
+        st = fill(k[:, :, :0], v[:, :, :0], precision, capacity=cap)  # garbage everywhere
+        buf = st["buf"]
         length = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        for lo, hi in ((0, 30), (30, 31), (31, 50)):  # prefill, one decode token, a chunk
+        for lo, hi in ((0, 30), (30, 31), (31, 50), (50, 64), (64, 65), (65, 90)):  # prefill, steps, chunks
             pos = length if device_pos else lo
-            decode_launch.append(k[:, :, lo:hi], v[:, :, lo:hi], k_bar, v_bar, kq, ks, vq, vs, pos,
-                                 int4=precision == "int4")
+            decode_launch.append(k[:, :, lo:hi], v[:, :, lo:hi], k_bar, v_bar, buf, pos)
             length.add_(hi - lo)
-        stores.append((kq, ks, vq, vs))
-    for host, dev in zip(*stores):
-        assert torch.equal(host.view(torch.int8), dev.view(torch.int8))
-    kq, ks, vq, vs = stores[1]
+        stores.append(buf)
+    for host, dev in zip(stores[0][1:], stores[1][1:]):  # every tensor of the two storages, bit for bit
+        if host is not None:
+            assert torch.equal(host.view(torch.int8), dev.view(torch.int8))
     for nq in (1, 4):
         q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=torch.bfloat16)
-        out = decode_launch.decode(q, kq, ks, vq, vs, v_bar, cap, int4=precision == "int4", causal=True,
-                                   length=length)
-        ref = kv_reference.decode_attention(q, kq, ks, vq, vs, v_bar, 50, precision=precision, causal=True)
+        out = decode_launch.decode(q, stores[1], v_bar, cap, causal=True, length=length)
+        ref = kv_reference.decode_attention(q, stores[1], v_bar, 90, causal=True)
         assert mismatch(out, ref) is None, (nq, mismatch(out, ref))
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_append_matches_reference_and_appends_in_place(seed, precision):
-    """Appending in two pieces with the centers of the first equals quantizing everything at once."""
-    k, v = outlier_kv(2, 3, 41, 48)
-    st = fill(k[:, :, :30], v[:, :, :30], precision, capacity=50)
-    decode_launch.append(k[:, :, 30:], v[:, :, 30:], st["k_bar"], st["v_bar"], st["kq"], st["ks"], st["vq"],
-                         st["vs"], 30, int4=precision == "int4")
-    kq, ks, vq, vs = kv_reference.quantize_tokens(k, v, st["k_bar"], st["v_bar"], precision)
-    assert torch.equal(st["kq"][:, :, :41], kq)
-    torch.testing.assert_close(st["ks"][:, :, :41], ks, rtol=1e-6, atol=0)
-    torch.testing.assert_close(st["vs"][:, :, :41], vs, rtol=1e-6, atol=0)
-    assert (st["vq"][:, :, :41].float() - vq.float()).abs().max() <= 16.0  # ≤ one FP8 step at the top (448)
-    assert (st["vq"][:, :, :41].float() != vq.float()).float().mean() < 1e-3
-    assert (st["kq"][:, :, 41:] == 99).all()  # slots past the tokens untouched
-    # the storage decodes back to the inputs within the format's resolution
-    back = kv_reference.dequantize_k(st["kq"][:, :, :41], st["ks"][:, :, :41], 48, precision) + st["k_bar"][:, :, None]
-    step = st["ks"][:, :, :41, None]
-    assert ((back - k).abs() <= 0.5 * step * 1.0001 + 1e-6).all()
+    """Appending in pieces (a prefill, single tokens, chunks; INT4 groups completed across appends) with the
+    centers of the first equals the reference's appends; slots past the tokens stay untouched."""
+    k, v = outlier_kv(2, 3, 141, 48)
+    st = fill(k[:, :, :30], v[:, :, :30], precision, capacity=150)
+    ref = kv_reference.allocate(2, 3, st["buf"].kq.shape[2], 48, precision, DEVICE, k.dtype)
+    kv_reference.append(k[:, :, :30], v[:, :, :30], st["k_bar"], st["v_bar"], ref, 0)
+    for lo, hi in ((30, 63), (63, 64), (64, 65), (65, 141)):
+        decode_launch.append(k[:, :, lo:hi], v[:, :, lo:hi], st["k_bar"], st["v_bar"], st["buf"], lo)
+        kv_reference.append(k[:, :, lo:hi], v[:, :, lo:hi], st["k_bar"], st["v_bar"], ref, lo)
+    buf, n = st["buf"], 141
+    scales = n // kv_reference.GROUP if precision == "int4" else n
+    packed = scales * kv_reference.GROUP if precision == "int4" else n  # INT4: the whole groups' slots
+    assert torch.equal(buf.kq[:, :, :packed], ref.kq[:, :, :packed])
+    assert torch.equal(buf.ks[:, :, :scales], ref.ks[:, :, :scales])
+    if precision == "int4":
+        assert torch.equal(buf.k_recent[:, :, : n - scales * kv_reference.GROUP],
+                           ref.k_recent[:, :, : n - scales * kv_reference.GROUP])
+    torch.testing.assert_close(buf.vs[:, :, :n], ref.vs[:, :, :n], rtol=1e-6, atol=0)
+    assert (buf.vq[:, :, :n].float() - ref.vq[:, :, :n].float()).abs().max() <= 16.0  # ≤ one FP8 step at the top
+    assert (buf.vq[:, :, :n].float() != ref.vq[:, :, :n].float()).float().mean() < 1e-3
+    assert (buf.kq[:, :, packed:] == 99).all()  # slots past the quantized tokens untouched
+    # the storage decodes back to the inputs within the format's resolution: half a grid step
+    back = kv_reference.dequantize_k(buf, 48, n) + st["k_bar"][:, :, None]
+    if precision == "int4":
+        step = buf.ks[:, :, :scales, 0].float().repeat_interleave(kv_reference.GROUP, dim=2)
+        step = torch.cat([step, step.new_zeros(2, 3, n - step.shape[2], 48)], dim=2)  # recent tokens: exact
+    else:
+        step = buf.ks[:, :, :n, None]
+    assert ((back - k).abs() <= 0.5 * step * 1.0001 + 1e-5).all()
 
 
 # --- mutants: the check above must catch a broken kernel -------------------------------------------
@@ -240,23 +258,27 @@ MUTATIONS = {
     "v̄ dropped": ("acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :]", "acc / tl.where(seen, l_i, 1.0)[:, None]"),
     "splits merged unweighted": ("a_t = tl.math.exp2(m_t - m_use)", "a_t = tl.where(row_ok, 1.0, 0.0)"),
     "split merge skips a split": ("for t in range(0, NUM_SPLITS):", "for t in range(1, NUM_SPLITS):"),
-    "int4 high nibble unsigned": ("k_hi = packed >> 4", "k_hi = (packed >> 4) & 15"),
+    "int4 row term dropped": ("qk = qk + row[:, None]", "qk = qk + 0.0 * row[:, None]"),
+    # the interpreter's fp32 path, or the GPU's nibble → bf16 bit trick
+    "int4 high nibble signed": (("(packed >> 4) & 15", "(packed >> 4)") if DEVICE == "cpu"
+                                else ("((wide >> 4) & 15)", "(wide >> 4)")),
+    "int4 recent tokens skipped": ("for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):",
+                                   "for start in range(hi, hi, BLOCK_N):"),
 }
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
-    k, v = outlier_kv(1, 2, 45, 32)
-    q = torch.randn(1, 4, 5, 32, device=DEVICE, dtype=torch.float16)
     precision = "int4" if "int4" in name else "int8"
+    n = 45 if precision == "int8" else 100  # INT4: a group and 36 recent tokens
+    k, v = outlier_kv(1, 2, n, 32)
+    q = torch.randn(1, 4, 5, 32, device=DEVICE, dtype=torch.float16)
     st = fill(k, v, precision)
     splits = 3 if "split" in name else 1
 
     def run():  # 16-key tiles: 45 keys make three, so the splits happen on a GPU too
-        out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
-                                   int4=precision == "int4", num_splits=splits, block_n=16)
-        ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 45,
-                                          precision=precision)
+        out = decode_launch.decode(q, st["buf"], st["v_bar"], n, num_splits=splits, **tiles(precision))
+        ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], n)
         return mismatch(out, ref)
 
     assert run() is None
@@ -275,7 +297,7 @@ def test_a_growing_cache_compiles_no_new_decode_kernel():
     kernel_cache = decode.decode_kernel.device_caches[torch.cuda.current_device()][0]
 
     def step(nk):
-        decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], nk, int4=False)
+        decode_launch.decode(q, st["buf"], st["v_bar"], nk)
 
     step(129)  # more than two 64-key tiles: split, as every later step
     compiled = len(kernel_cache)
@@ -291,9 +313,7 @@ def test_head_dim_256_with_several_query_tokens(seed, precision):
     k, v = outlier_kv(2, 1, 300, 256)
     st = fill(k, v, precision)
     q = torch.randn(2, 16, 3, 256, device=DEVICE, dtype=torch.bfloat16)
-    out = decode_launch.decode(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 300,
-                               int4=precision == "int4", block_n=16 if DEVICE == "cpu" else None)
-    ref = kv_reference.decode_attention(q, st["kq"], st["ks"], st["vq"], st["vs"], st["v_bar"], 300,
-                                        precision=precision)
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], 300, **(tiles(precision) if DEVICE == "cpu" else {}))
+    ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], 300)
     assert mismatch(out, ref) is None
 

@@ -105,15 +105,13 @@ def test_decode_kernel_propagates_non_finite_query(seed, splits, tmp_path, monke
 
     k, v = torch.randn(1, 2, 40, 32, device=DEVICE), torch.randn(1, 2, 40, 32, device=DEVICE)
     k_bar, v_bar = kv_reference.centers(k, v)
-    kq = torch.empty(1, 2, 40, 32, dtype=torch.int8, device=DEVICE)
-    ks, vs = torch.empty(1, 2, 40, device=DEVICE), torch.empty(1, 2, 40, device=DEVICE)
-    vq = torch.empty(1, 2, 40, 32, device=DEVICE).to(torch.float8_e4m3fn)
-    decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0, int4=False)
+    buf = kv_reference.allocate(1, 2, 48, 32, "int8", DEVICE)
+    decode_launch.append(k, v, k_bar, v_bar, buf, 0)
     q = torch.randn(1, 4, 2, 32, device=DEVICE)
     q[0, 1, 0, 3] = math.nan
 
     def run():  # 16-key tiles: 40 keys make three, so two splits happen on a GPU too
-        return decode_launch.decode(q, kq, ks, vq, vs, v_bar, 40, int4=False, num_splits=splits, block_n=16)
+        return decode_launch.decode(q, buf, v_bar, 40, num_splits=splits, block_n=16)
 
     out = run()  # (B, Nq, Hq, D)
     assert torch.isnan(out[0, 0, 1]).all()

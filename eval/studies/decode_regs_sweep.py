@@ -1,6 +1,7 @@
 """Decode kernel: register cap × pipeline stages × waves, at B8 Hq32/Hk8 d128 (one GPU run).
 
-    bash eval/device_run.sh python3 eval/studies/decode_regs_sweep.py
+    bash eval/device_run.sh python3 eval/studies/decode_regs_sweep.py [PRECISIONS [MAXNREGS]]
+    (defaults: int8,int4 and 0,128,104,88)
 
 Nsight Compute (eval/results/ncu/ncu-decode-*.txt) shows the kernel at 144 registers a thread, so 3
 programs of 4 warps an SM (18.75 % occupancy) and 64 % (INT8) / 38 % (INT4) of DRAM bandwidth at L64k:
@@ -25,7 +26,7 @@ from bench_decode import fill_cache  # noqa: E402
 from timing import events_ms  # noqa: E402
 
 
-def main() -> None:
+def main(precisions: str = "int8,int4", caps: str = "0,128,104,88") -> None:
     torch.manual_seed(0)
     b, hq, hk, d = 8, 32, 8, 128
     print("| L | K | stages | maxnreg | waves | µs | regs | spills |")
@@ -33,12 +34,11 @@ def main() -> None:
     for n in (16384, 65536):
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-        for precision in ("int8", "int4"):
-            kq, ks, vq, vs, _, v_bar = fill_cache(k, v, d, precision == "int4", "cuda")
-            for stages, maxnreg, waves in itertools.product((2, 3), (0, 128, 104, 88), (8, 16)):
+        for precision in precisions.split(","):
+            buf, _, v_bar, _ = fill_cache(k, v, precision, "cuda")
+            for stages, maxnreg, waves in itertools.product((2, 3), [int(c) for c in caps.split(",")], (8, 16)):
                 def run():
-                    decode_launch.decode(q, kq, ks, vq, vs, v_bar, n, int4=precision == "int4", num_stages=stages,
-                                         maxnreg=maxnreg, waves=waves)
+                    decode_launch.decode(q, buf, v_bar, n, num_stages=stages, maxnreg=maxnreg, waves=waves)
                 try:
                     us = events_ms(run, calls=20, repeats=7) * 1e3
                     kernels = [kern for kern, _ in fast(decode_kernel).kernels.values()]
@@ -53,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

@@ -103,12 +103,10 @@ def main():
     k1, v1 = (torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q1 = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     rows.append(("decode: append one token (JIT launch)", host_us(
-        lambda: decode_launch.append(k1, v1, store.k_bar, store.v_bar, store.kq, store.ks, store.vq, store.vs, 4095,
-                                     int4=False))))
+        lambda: decode_launch.append(k1, v1, store.k_bar, store.v_bar, store, 4095))))
     rows.append(("decode: attention step (JIT launch)", host_us(
-        lambda: decode_launch.decode(q1, store.kq, store.ks, store.vq, store.vs, store.v_bar, 4096, int4=False))))
-    for jit_fn, grid, a, kw in capture_launches(
-            lambda: decode_launch.decode(q1, store.kq, store.ks, store.vq, store.vs, store.v_bar, 4096, int4=False)):
+        lambda: decode_launch.decode(q1, store, store.v_bar, 4096))))
+    for jit_fn, grid, a, kw in capture_launches(lambda: decode_launch.decode(q1, store, store.v_bar, 4096)):
         kw = {key: value for key, value in kw.items() if key not in ("debug", "instrumentation_mode")}
         bound, binder = bound_launch(jit_fn, grid, a, kw)
         rows.append(("decode: attention step, bound launch", host_us(bound)))

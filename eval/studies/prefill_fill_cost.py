@@ -34,11 +34,8 @@ def main() -> None:
         attention = graph_ms(lambda: hf_qattn.qattn(q, k, v, is_causal=True)) * 1e3
         appends = []
         for int4 in (False, True):
-            kq = torch.empty(1, 8, n, decode_launch.packed_width(128, int4), device="cuda", dtype=torch.int8)
-            ks, vs = (torch.empty(1, 8, n, device="cuda") for _ in range(2))
-            vq = torch.empty(1, 8, n, 128, device="cuda", dtype=torch.float8_e4m3fn)
-            appends.append(graph_ms(lambda: decode_launch.append(k, v, k_bar, v_bar, kq, ks, vq, vs, 0,
-                                                                  int4=int4)) * 1e3)
+            buf = kv_reference.allocate(1, 8, n, 128, "int4" if int4 else "int8", "cuda")
+            appends.append(graph_ms(lambda: decode_launch.append(k, v, k_bar, v_bar, buf, 0)) * 1e3)
         print(f"| {n} | {attention:.1f} | {appends[0]:.1f} | {appends[1]:.1f} | {max(appends) / attention:.3f} |",
               flush=True)
 

@@ -183,23 +183,21 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
             # static storage read to its end: the kernel takes the count from device memory (graph-replayable)
             by_device = store.device_length is not None and nk == store.length
-            return decode_launch.decode(query, store.kq, store.ks, store.vq, store.vs, store.v_bar,
-                                        store.capacity if by_device else nk, int4=store.precision == "int4",
+            return decode_launch.decode(query, store, store.v_bar, store.capacity if by_device else nk,
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
                                         kv_end=kv_end, length=store.device_length if by_device else None,
                                         window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
                                         ring=ring)
     stats.record_call("reference")
-    kq, ks, vq, vs = store.kq, store.ks, store.vq, store.vs
-    if ring is not None:  # the slots in position order, the cyclic ranges as offsets from the oldest
+    buffers = reference.Buffers(*store[:6])
+    if ring is not None:  # the slots in position order (INT8: rings hold no INT4), ranges as offsets from the oldest
         first, _ = layer.held_positions()
         slots = layer.chronological_slots()
-        kq, ks, vq, vs = kq[:, :, slots], ks[:, :, slots], vq[:, :, slots], vs[:, :, slots]
+        buffers = reference.Buffers("int8", *(t[:, :, slots] for t in buffers[1:5]), None)
         kv_start = (kv_start - first) % ring
         kv_end = kv_start + kv_end
-    return reference.decode_attention(query, kq, ks, vq, vs, store.v_bar, nk, precision=store.precision,
-                                      sm_scale=scaling, causal=pattern.causal, kv_start=kv_start, kv_end=kv_end,
-                                      window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
+    return reference.decode_attention(query, buffers, store.v_bar, nk, sm_scale=scaling, causal=pattern.causal,
+                                      kv_start=kv_start, kv_end=kv_end, window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
                                       dtype=torch.float32)
 
 

@@ -5,13 +5,16 @@
     cache.nbytes(), cache.nbytes(per_layer=True)            # bytes allocated (scales and centers included)
     cache.nbytes(used=True)                                 # the cached tokens' share of them
 
-Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or in INT4 packed two a
-byte where the model's plan (``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, and
-V − v̄ in FP8 E4M3 with one scale per token. k̄, v̄ are per-(batch, head, channel) centers fixed
-at the first fill. Every token is quantized once, when it is appended (``kernels/decode.py``).
+Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or, where the model's plan
+(``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, in 4 bits per channel over groups of 64
+tokens with a scale and zero point each (KIVI's layout; the newest tokens of an incomplete group wait in
+full precision), and V − v̄ in FP8 E4M3 with one scale per token. k̄, v̄ are per-(batch, head, channel)
+centers fixed at the first fill. Every token is quantized once, when it is appended, INT4 K when its group
+completes (``kernels/decode.py``; the format in ``reference.py``).
 Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
 the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
-that span rounded up to a whole 16-token block. Layers the plan marks unquantized keep transformers'
+that span rounded up to a whole 16-token block. A ring does not keep INT4's groups of consecutive tokens,
+so such a layer stores INT8 K where the plan says ``int4`` (``precisions()`` shows it). Layers the plan marks unquantized keep transformers'
 full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
 attention, ...) keep transformers' own layer class.
 
@@ -50,26 +53,25 @@ except ImportError:  # transformers < 5: the cache is unavailable, the rest of h
     DynamicLayer = DYNAMIC_LAYER_TYPE_MAPPING = get_layer_types_and_kwargs = None
 
 CENTER_SAMPLE = 256
-# Growth of a layer's storage (without static_max_len): whole blocks of 16 tokens (the per-token scales'
-# strides stay divisible by 16, so no kernel meets a new specialization), and at least a sixteenth of
-# what is held, so appending one token at a time reallocates (and copies) every L/16 tokens while what
-# is allocated stays within about 1/16 of what is used — doubling (the usual rule) would hold twice the
-# bytes of a 4k prompt from its first generated token on, more than a bf16 cache of the same tokens.
-_BLOCK_TOKENS = 16
+# Growth of a layer's storage (without static_max_len): whole blocks (reference.block_tokens: 16 tokens, or
+# INT4's groups), and at least a sixteenth of what is held, so appending one token at a time reallocates
+# (and copies) every L/16 tokens while what is allocated stays within about 1/16 of what is used — doubling
+# (the usual rule) would hold twice the bytes of a 4k prompt from its first generated token on, more than a
+# bf16 cache of the same tokens.
 _GROWTH_DIVISOR = 16
 
 
-def _whole_blocks(tokens: int) -> int:
-    return -(-tokens // _BLOCK_TOKENS) * _BLOCK_TOKENS
+def _whole_blocks(tokens: int, precision: str = "int8") -> int:
+    block = reference.block_tokens(precision)
+    return -(-tokens // block) * block
 
 
 class CacheStorage(NamedTuple):
     """A read view of a :class:`QAttnLayer`'s storage (the tensors themselves, not copies; only the layer
     writes them): what the attention over the cache reads.
 
-    ``kq`` (B, Hk, capacity, D or D_PAD/2 for INT4) int8, ``ks`` (B, Hk, capacity) its per-token scales,
-    ``vq`` (B, Hk, capacity, D) FP8 E4M3, ``vs`` its scales, ``k_bar`` / ``v_bar`` (B, Hk, D) the centers;
-    the first ``length`` tokens are cached. ``device_length``: the same count as a (1,) int32 tensor
+    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent`` as :class:`reference.Buffers` (which the kernels
+    take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached. ``device_length``: the same count as a (1,) int32 tensor
     on the device with static storage, else None.
     """
 
@@ -78,6 +80,7 @@ class CacheStorage(NamedTuple):
     ks: torch.Tensor
     vq: torch.Tensor
     vs: torch.Tensor
+    k_recent: torch.Tensor | None
     k_bar: torch.Tensor
     v_bar: torch.Tensor
     length: int
@@ -86,7 +89,7 @@ class CacheStorage(NamedTuple):
 
 
 class QAttnLayer(CacheLayerMixin):
-    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V, per-token scales, fixed centers.
+    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V (``reference.Buffers``), fixed centers.
 
     The storage is the layer's own: it writes it in :meth:`update` (and ``crop``, ``reset``, the batch
     selections); the attention reads it through :meth:`storage`, and a replayed CUDA graph step reports
@@ -106,7 +109,8 @@ class QAttnLayer(CacheLayerMixin):
         self.center_sample = center_sample
         self._length = 0
         self._capacity = 0
-        self._kq = self._ks = self._vq = self._vs = self._k_bar = self._v_bar = None
+        self._buffers = None  # reference.Buffers
+        self._k_bar = self._v_bar = None
         self._device_length = None  # static storage: the token count as a (1,) int32 tensor on the device
 
     def __repr__(self):
@@ -121,21 +125,21 @@ class QAttnLayer(CacheLayerMixin):
         if self.precision == "int4" and self.head_dim > 256:
             raise QAttnCacheError("QAttnCache supports head dims up to 256")
         if self.max_len is not None:
-            self._allocate(self.max_len)
+            self._allocate(self.max_len if self.precision == "int8" else _whole_blocks(self.max_len, self.precision))
             self._device_length = torch.zeros(1, device=self.device, dtype=torch.int32)
         self.is_initialized = True
 
     def _allocate(self, capacity: int) -> None:
-        b, h, d, dev = self.batch_size, self.num_heads, self.head_dim, self.device
-        width = reference.padded_head_dim(d) // 2 if self.precision == "int4" else d
-        old = (self._kq, self._ks, self._vq, self._vs)
-        self._kq = torch.zeros(b, h, capacity, width, device=dev, dtype=torch.int8)
-        self._ks = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
-        self._vq = torch.zeros(b, h, capacity, d, device=dev, dtype=torch.float8_e4m3fn)
-        self._vs = torch.zeros(b, h, capacity, device=dev, dtype=torch.float32)
-        if old[0] is not None and self._length:
-            for new, prev in zip((self._kq, self._ks, self._vq, self._vs), old):
-                new[:, :, : self._length].copy_(prev[:, :, : self._length])
+        old = self._buffers
+        self._buffers = reference.allocate(self.batch_size, self.num_heads, capacity, self.head_dim, self.precision,
+                                           self.device, self.dtype)
+        if old is not None and self._length:
+            n = self._length
+            kept = n // reference.GROUP if self.precision == "int4" else n  # INT4 scales: a row per whole group
+            for new, prev, rows in zip(self._buffers[1:5], old[1:5], (n, kept, n, n)):
+                new[:, :, :rows].copy_(prev[:, :, :rows])
+            if old.k_recent is not None:
+                self._buffers.k_recent.copy_(old.k_recent)
         self._capacity = capacity
 
     def _reserve(self, needed: int) -> None:
@@ -143,8 +147,9 @@ class QAttnLayer(CacheLayerMixin):
             return
         if self.max_len is not None:
             raise QAttnCacheError(f"QAttnCache(static_max_len={self.max_len}) is full: {needed} tokens asked for")
-        capacity = max(needed, self._capacity + max(_BLOCK_TOKENS, self._capacity // _GROWTH_DIVISOR))
-        self._allocate(_whole_blocks(capacity))
+        capacity = max(needed, self._capacity + max(reference.block_tokens(self.precision),
+                                                    self._capacity // _GROWTH_DIVISOR))
+        self._allocate(_whole_blocks(capacity, self.precision))
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[-2]
@@ -162,16 +167,9 @@ class QAttnLayer(CacheLayerMixin):
         if _kernels_available(self.device):
             from ..kernels import decode_launch
 
-            decode_launch.append(key_states, value_states, self._k_bar, self._v_bar, self._kq, self._ks, self._vq,
-                                 self._vs, slot, int4=self.precision == "int4")
+            decode_launch.append(key_states, value_states, self._k_bar, self._v_bar, self._buffers, slot)
         else:
-            n = key_states.shape[-2]
-            kq, ks, vq, vs = reference.quantize_tokens(key_states, value_states, self._k_bar, self._v_bar,
-                                                       self.precision)
-            self._kq[:, :, slot: slot + n] = kq
-            self._ks[:, :, slot: slot + n] = ks
-            self._vq[:, :, slot: slot + n] = vq
-            self._vs[:, :, slot: slot + n] = vs
+            reference.append(key_states, value_states, self._k_bar, self._v_bar, self._buffers, int(slot))
 
     def reserve(self, tokens: int) -> None:
         """Static storage for ``tokens`` (as ``static_max_len``), set before the first fill: allocated
@@ -182,8 +180,8 @@ class QAttnLayer(CacheLayerMixin):
                                       f"{tokens} tokens of static storage must be reserved before the first fill")
             return
         # whole blocks: the scales' strides stay divisible by 16, as every other capacity's (no new kernel
-        # specialization for a generate of an odd length)
-        self.max_len = max(self.max_len or 0, _whole_blocks(tokens))
+        # specialization for a generate of an odd length), and INT4's groups whole
+        self.max_len = max(self.max_len or 0, _whole_blocks(tokens, self.precision))
 
     def advance_after_replay(self, tokens: int = 1) -> None:
         """Count ``tokens`` appended by a replayed CUDA graph: the captured append already wrote them and
@@ -219,26 +217,39 @@ class QAttnLayer(CacheLayerMixin):
             self._device_length.zero_()
         self._k_bar = self._v_bar = None
         if self.max_len is None:
-            self._kq = self._ks = self._vq = self._vs = None
+            self._buffers = None
             self._capacity = 0
             self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
-        self._length = max(0, self._length + tokens_to_remove)
+        length = max(0, self._length + tokens_to_remove)
+        group = reference.GROUP
+        first = length // group * group
+        if self.precision == "int4" and length % group and first + group <= self._length:
+            # back inside a group quantized already: its kept tokens wait in k_recent again (dequantized, so
+            # they are quantized twice when the group completes anew)
+            buf = self._buffers
+            whole = reference.Buffers("int4", buf.kq[:, :, first: first + group],
+                                      buf.ks[:, :, first // group: first // group + 1], buf.vq, buf.vs, buf.k_recent)
+            buf.k_recent[:, :, : length - first] = reference.dequantize_k(whole, self.head_dim, group)[
+                :, :, : length - first].to(buf.k_recent.dtype)
+        self._length = length
         if self._device_length is not None:
             self._device_length.fill_(self._length)
 
     def _select(self, index: torch.Tensor) -> None:
-        if self._kq is None:
+        if self._buffers is None:
             return
         index = index.to(self.device)
-        for name in ("_kq", "_ks", "_vq", "_vs", "_k_bar", "_v_bar"):
+        picked = [t if t is None or isinstance(t, str) else t.index_select(0, index).contiguous() for t in self._buffers]
+        self._buffers = reference.Buffers(*picked)
+        for name in ("_k_bar", "_v_bar"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, index).contiguous())
-        self.batch_size = self._kq.shape[0]
+        self.batch_size = self._buffers.kq.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -247,7 +258,7 @@ class QAttnLayer(CacheLayerMixin):
         self._select(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self._kq is not None:
+        if self._buffers is not None:
             self._select(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def offload(self):
@@ -259,25 +270,25 @@ class QAttnLayer(CacheLayerMixin):
     # -- reading ------------------------------------------------------------------------------------
     def storage(self) -> CacheStorage:
         """The storage as a :class:`CacheStorage` view, for the attention over the cache (and benchmarks)."""
-        return CacheStorage(self.precision, self._kq, self._ks, self._vq, self._vs, self._k_bar, self._v_bar,
-                            self._length, self._capacity, self._device_length)
+        return CacheStorage(*self._buffers, self._k_bar, self._v_bar, self._length, self._capacity,
+                            self._device_length)
 
     def nbytes(self, used: bool = False) -> int:
-        """Bytes of the storage: quantized K and V, their per-token scales, the centers — as allocated
-        (the whole capacity: what the cache takes from the device), or with ``used`` only the cached
-        tokens' share."""
-        if self._kq is None:
+        """Bytes of the storage: quantized K and V, their scales, INT4's incomplete group, the centers — as
+        allocated (the whole capacity: what the cache takes from the device), or with ``used`` only the cached
+        tokens' share of what grows with the tokens."""
+        if self._buffers is None:
             return 0
-        per_token = self._kq.shape[-1] * self._kq.element_size() + self._vq.shape[-1] * self._vq.element_size() + 8
-        centers = 2 * self._k_bar.numel() * self._k_bar.element_size() if self._k_bar is not None else 0
-        tokens = self._length if used else self._capacity
-        return self.batch_size * self.num_heads * tokens * per_token + centers
+        buf = self._buffers
+        slots = sum(t.numel() * t.element_size() for t in buf[1:5])  # kq, ks, vq, vs: in proportion to capacity
+        fixed = sum(t.numel() * t.element_size() for t in (buf.k_recent, self._k_bar, self._v_bar) if t is not None)
+        return (slots * self._length) // self._capacity + fixed if used else slots + fixed
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
         n = self._length
-        k = reference.dequantize_k(self._kq[:, :, :n], self._ks[:, :, :n], self.head_dim, self.precision)
-        v = reference.dequantize_v(self._vq[:, :, :n], self._vs[:, :, :n])
+        k = reference.dequantize_k(self._buffers, self.head_dim, n)
+        v = reference.dequantize_v(self._buffers.vq[:, :, :n], self._buffers.vs[:, :, :n])
         return (k + self._k_bar[:, :, None]).to(self.dtype), (v + self._v_bar[:, :, None]).to(self.dtype)
 
 
@@ -308,6 +319,8 @@ class QAttnWindowLayer(QAttnLayer):
     is_sliding = True
 
     def __init__(self, kind: str, span: int, precision: str = "int8", center_sample: int | None = CENTER_SAMPLE):
+        if precision == "int4":  # INT4 K's groups are runs of consecutive slots and tokens, which a ring breaks
+            precision = "int8"
         if kind not in WINDOW_KINDS:
             raise ValueError(f"kind must be one of {WINDOW_KINDS}; got {kind!r}")
         if isinstance(span, bool) or not isinstance(span, int) or span < 1:
@@ -417,8 +430,8 @@ class QAttnWindowLayer(QAttnLayer):
         positions = torch.arange(seen - count, seen, device=self.device)
         held = positions >= first
         slots = torch.where(held, positions % self.span, 0)
-        k = reference.dequantize_k(self._kq[:, :, slots], self._ks[:, :, slots], self.head_dim, self.precision)
-        v = reference.dequantize_v(self._vq[:, :, slots], self._vs[:, :, slots])
+        k = reference.dequantize_k(self._buffers, self.head_dim, count, slots=slots)
+        v = reference.dequantize_v(self._buffers.vq[:, :, slots], self._buffers.vs[:, :, slots])
         k = torch.where(held[:, None], k + self._k_bar[:, :, None], 0.0)
         v = torch.where(held[:, None], v + self._v_bar[:, :, None], 0.0)
         return k.to(self.dtype), v.to(self.dtype)
