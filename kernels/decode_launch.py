@@ -71,6 +71,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor) -> None:
 # maxnreg: a register cap, so more programs share an SM without spills
 #   (decode-regs-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23.md, head dim 128); not above head dim 128, where
 #   the INT4 tile of several query tokens needs more (ptxas refused d256 INT4 with 3 query tokens).
+#   maxnreg_int4: INT4 K's group tiles spill at 128 (Nsight: 2.7 M local requests at B8 L64k); 168 was 2–7 %
+#   faster than 128 at B8 L16k / L64k and no cap (255) slower (decode-regs-sweep-…-2026-11-25.md).
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -198,7 +200,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     extra = {} if num_stages is None else {"num_stages": num_stages}
     settings = tuning.decode_config(interp or q.device.type != "cuda")
     if maxnreg is None:
-        maxnreg = settings["maxnreg"] if d_pad <= 128 else 0
+        maxnreg = settings["maxnreg_int4" if int4 else "maxnreg"] if d_pad <= 128 else 0
     extra.update(tuning.register_cap(maxnreg))
     fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
         q, kq, ks, vq, vs, kr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
