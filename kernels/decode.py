@@ -53,11 +53,32 @@ from .common import (FP8_MAX, INT4_GROUP, INT4_LEVELS, SCALE_FLOOR, mul_rn, quan
 
 
 @triton.jit
+def _nan_unless_finite(scale, x, AXIS: tl.constexpr):
+    """``scale`` where x holds only finite values along AXIS, else NaN: a NaN or ±Inf in K or V then reaches
+    attention as NaN (the GPU's max ignores NaN, which would quietly quantize it away)."""
+    return tl.where(tl.max(tl.where(x - x == 0.0, 0, 1), axis=AXIS) > 0, float("nan"), scale)
+
+
+@triton.jit
+def _quantize_group(x, GRID_ROUND: tl.constexpr):
+    """A complete group x (G rows, channels) in fp32 → per channel a bf16 scale and zero point (min/max over the
+    group, scale = range / 15) and u = round((x − zero) / scale) ∈ [0, 15] (int32), rounded as the reference."""
+    low = tl.min(x, axis=0)
+    zero = to_bf16(low, GRID_ROUND)
+    scale = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR), tl.full(low.shape, INT4_LEVELS, tl.float32))
+    scale = to_bf16(_nan_unless_finite(scale, x, 0), GRID_ROUND)
+    u = round_half_even(mul_rn(x - zero.to(tl.float32)[None, :], reciprocal(scale.to(tl.float32))[None, :],
+                               GRID_ROUND))
+    return tl.minimum(tl.maximum(u, 0.0), INT4_LEVELS).to(tl.int32), scale, zero
+
+
+@triton.jit
 def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, complete, stride_kd,
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GRID_ROUND: tl.constexpr):
     """One INT4 group of G slots: rows of new tokens (``new_ok``) from K, rows before them (slots < pos0 of the
-    group being filled) from ``KR``. A complete group is quantized per channel (min/max: scale and zero in
-    bf16, u = round((x − zero) / scale) ∈ [0, 15]); an incomplete one keeps its new rows in ``KR``."""
+    group being filled) from ``KR``; channels in two halves, as packed (c in the low nibble, c + D_PAD/2 in the
+    high one). A complete group is quantized (:func:`_quantize_group`); an incomplete one keeps its new rows
+    in ``KR``."""
     HALF: tl.constexpr = D_PAD // 2
     c = tl.arange(0, HALF)
     r = tl.arange(0, INT4_GROUP)
@@ -74,19 +95,8 @@ def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, comp
     x_lo = tl.where(new_ok[:, None], x_lo, r_lo)
     x_hi = tl.where(new_ok[:, None], x_hi, r_hi)
     if complete:
-        levels = tl.full([HALF], INT4_LEVELS, tl.float32)
-        zero_lo = to_bf16(tl.min(x_lo, axis=0), GRID_ROUND)
-        zero_hi = to_bf16(tl.min(x_hi, axis=0), GRID_ROUND)
-        scale_lo = to_bf16(tl.math.div_rn(tl.maximum(tl.max(x_lo, axis=0) - tl.min(x_lo, axis=0), SCALE_FLOOR),
-                                          levels), GRID_ROUND)
-        scale_hi = to_bf16(tl.math.div_rn(tl.maximum(tl.max(x_hi, axis=0) - tl.min(x_hi, axis=0), SCALE_FLOOR),
-                                          levels), GRID_ROUND)
-        u_lo = round_half_even(mul_rn(x_lo - zero_lo.to(tl.float32)[None, :],
-                                      reciprocal(scale_lo.to(tl.float32))[None, :], GRID_ROUND))
-        u_hi = round_half_even(mul_rn(x_hi - zero_hi.to(tl.float32)[None, :],
-                                      reciprocal(scale_hi.to(tl.float32))[None, :], GRID_ROUND))
-        u_lo = tl.minimum(tl.maximum(u_lo, 0.0), INT4_LEVELS).to(tl.int32)
-        u_hi = tl.minimum(tl.maximum(u_hi, 0.0), INT4_LEVELS).to(tl.int32)
+        u_lo, scale_lo, zero_lo = _quantize_group(x_lo, GRID_ROUND)
+        u_hi, scale_hi, zero_hi = _quantize_group(x_hi, GRID_ROUND)
         tl.store(KQ_rows + c[None, :], (u_lo | (u_hi << 4)).to(tl.int8))
         tl.store(KG_group + c, scale_lo, mask=c < HEAD_DIM)
         tl.store(KG_group + HEAD_DIM + c, zero_lo, mask=c < HEAD_DIM)
@@ -144,7 +154,7 @@ def append_kernel(
         ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
         k = tl.load(k_base + c[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
         k = tl.where(ok, k - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0
+        k_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0, k, 1)
         tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0, GRID_ROUND), mask=ok)
         tl.store(KS + s_off, k_scale, mask=row_ok)
 
@@ -154,7 +164,7 @@ def append_kernel(
     v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + c[None, :] * stride_vd,
                 mask=ok, other=0.0).to(tl.float32)
     v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-    v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX
+    v_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX, v, 1)
     vq = scale_to_fp8(v, v_scale[:, None], GRID_ROUND)
     tl.store(VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn + c[None, :], vq, mask=ok)
     tl.store(VS + s_off, v_scale, mask=row_ok)

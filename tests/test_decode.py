@@ -252,6 +252,32 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
     assert ((back - k).abs() <= 0.5 * step * 1.0001 + 1e-5).all()
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("token", [3, 29])  # of the 30 appended: slot 103 (INT4: a group completed), 129 (still open)
+def test_a_non_finite_token_reaches_attention_as_nan(seed, precision, where, bad, token):
+    """One appended token with a NaN or ±Inf in K or V (after the centers were fixed): the queries of that
+    sequence's KV head come out NaN, the other sequence stays finite (the GPU's max ignores NaN, so a scale taken
+    from it would quantize the bad value away). Quantized, a bad value poisons its token's (or INT4 group's) scale:
+    every such query is NaN. An INT4 group still open holds K exactly, so +Inf there acts as in full precision:
+    NaN where q points at it (score +∞), an ignored key where q points away (−∞)."""
+    k, v = outlier_kv(2, 2, 130, 32)
+    st = fill(k[:, :, :100], v[:, :, :100], precision, capacity=192)
+    poisoned = (k if where == "k" else v)[:, :, 100:].clone()
+    poisoned[0, 0, token, 5] = bad  # sequence 0, KV head 0
+    new_k, new_v = (poisoned, v[:, :, 100:]) if where == "k" else (k[:, :, 100:], poisoned)
+    decode_launch.append(new_k, new_v, st["k_bar"], st["v_bar"], st["buf"], 100)
+    q = torch.randn(2, 4, 1, 32, device=DEVICE)
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], 130)  # (B, Nq, Hq, D); heads 0–1 read KV head 0
+    nan_rows = torch.ones(2, dtype=torch.bool, device=DEVICE)
+    if precision == "int4" and token == 29 and where == "k" and bad == float("inf"):
+        nan_rows = q[0, :2, 0, 5] > 0
+    assert torch.equal(torch.isnan(out[0, 0, :2]).all(-1), nan_rows), (out[0, 0, :2, 0], q[0, :2, 0, 5])
+    assert torch.isfinite(out[0, 0, :2][~nan_rows]).all()
+    assert torch.isfinite(out[0, :, 2:]).all() and torch.isfinite(out[1]).all()
+
+
 # --- mutants: the check above must catch a broken kernel -------------------------------------------
 MUTATIONS = {
     "causal diagonal top-left": ("diag = NK - NQ", "diag = NK * 0"),
