@@ -65,7 +65,8 @@ def _quantize_group(x, GRID_ROUND: tl.constexpr):
     group, scale = range / 15) and u = round((x − zero) / scale) ∈ [0, 15] (int32), rounded as the reference."""
     low = tl.min(x, axis=0)
     zero = to_bf16(low, GRID_ROUND)
-    scale = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR), tl.full(low.shape, INT4_LEVELS, tl.float32))
+    scale = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR),
+                           tl.full(low.shape, INT4_LEVELS, tl.float32))
     scale = to_bf16(_nan_unless_finite(scale, x, 0), GRID_ROUND)
     u = round_half_even(mul_rn(x - zero.to(tl.float32)[None, :], reciprocal(scale.to(tl.float32))[None, :],
                                GRID_ROUND))

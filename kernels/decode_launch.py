@@ -25,8 +25,7 @@ def _check_buffers(buffers) -> bool:
     """Whether ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its fields) is INT4; the
     kernels index the INT4 group scales and the recent tokens assuming contiguous rows."""
     int4 = buffers.precision == "int4"
-    if int4 and not (buffers.ks.stride(-1) == 1 and buffers.ks.stride(-2) == buffers.ks.shape[-1]
-                     and buffers.k_recent.stride(-1) == 1 and buffers.k_recent.stride(-2) == buffers.k_recent.shape[-1]):
+    if int4 and any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (buffers.ks, buffers.k_recent)):
         raise ValueError("INT4 buffers need contiguous group scales (…, 2, D) and recent rows (…, G, D)")
     return int4
 

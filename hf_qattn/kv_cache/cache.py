@@ -14,8 +14,8 @@ completes (``kernels/decode.py``; the format in ``reference.py``).
 Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
 the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
 that span rounded up to a whole 16-token block. A ring does not keep INT4's groups of consecutive tokens,
-so such a layer stores INT8 K where the plan says ``int4`` (``precisions()`` shows it). Layers the plan marks unquantized keep transformers'
-full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
+so such a layer stores INT8 K where the plan says ``int4`` (``precisions()`` shows it). Layers the plan
+marks unquantized keep transformers' full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
 attention, ...) keep transformers' own layer class.
 
 What a layer's ``update`` returns:
@@ -71,8 +71,8 @@ class CacheStorage(NamedTuple):
     writes them): what the attention over the cache reads.
 
     ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent`` as :class:`reference.Buffers` (which the kernels
-    take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached. ``device_length``: the same count as a (1,) int32 tensor
-    on the device with static storage, else None.
+    take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached.
+    ``device_length``: the same count as a (1,) int32 tensor on the device with static storage, else None.
     """
 
     precision: str

@@ -13,8 +13,8 @@ Storage of one layer (:class:`Buffers`, see also ``kernels/decode.py``), B batch
 
 k̄ and v̄ are per-(batch, head, channel) centers fixed when the layer is first filled.
 
-Attention over the cache:  O = softmax(sm_scale · q · K̂ᵀ) · (V̂·δV) + v̄, K̂ the stored K − k̄ dequantized — the
-k̄ term adds q·k̄ to a whole row of scores, which the softmax ignores.
+Attention over the cache:  O = softmax(sm_scale · q · K̂ᵀ) · (V̂·δV) + v̄, K̂ the stored K − k̄ dequantized —
+the k̄ term adds q·k̄ to a whole row of scores, which the softmax ignores.
 """
 
 from __future__ import annotations
