@@ -149,7 +149,7 @@ def fill_cache(k, v, precision, device):
 
     b, hk, n, d = k.shape
     k_bar, v_bar = kv_reference.centers(k, v)
-    buf = kv_reference.allocate(b, hk, -(-n // 64) * 64, d, precision, device, k.dtype)
+    buf = kv_reference.allocate(b, hk, n, d, precision, device, k.dtype)
     decode_launch.append(k, v, k_bar, v_bar, buf, 0)
     nbytes = sum(t.numel() * t.element_size() for t in buf[1:5])  # what a decode step reads, scales included
     return buf, k_bar, v_bar, nbytes

@@ -71,7 +71,7 @@ def decode_call(case, seed):
     k_bar, v_bar = k.float().mean(2), v.float().mean(2)
 
     def run():
-        buf = kv_reference.allocate(b, hk, -(-length // 64) * 64, d, "int4" if int4 else "int8", "cuda")
+        buf = kv_reference.allocate(b, hk, length, d, "int4" if int4 else "int8", "cuda")
         decode_launch.append(k, v, k_bar, v_bar, buf, 0)
         out = decode_launch.decode(q, buf, v_bar, length)
         return buf.kq, buf.ks, buf.vq.view(torch.uint8), buf.vs, out
@@ -115,7 +115,7 @@ def main():
     decode = decode_call(DECODE[0], 7)
     _ = decode()
     b, hq, hk, nq, length, d, int4 = DECODE[0]
-    buf = kv_reference.allocate(b, hk, -(-length // 16) * 16, d, "int8", "cuda")
+    buf = kv_reference.allocate(b, hk, length, d, "int8", "cuda")
     k1, v1 = (torch.randn(b, hk, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     qd = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
     bar = torch.zeros(b, hk, d, device="cuda")

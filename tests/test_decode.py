@@ -42,11 +42,8 @@ def fill(k, v, precision, capacity=None):
     """Storage buffers (slack past the tokens, as in a growing cache; INT4: whole groups) holding garbage, then
     filled by the append kernel."""
     b, hk, n, d = k.shape
-    cap = capacity or n + 5
-    if precision == "int4":
-        cap = -(-cap // kv_reference.GROUP) * kv_reference.GROUP
     k_bar, v_bar = kv_reference.centers(k, v)
-    buf = kv_reference.allocate(b, hk, cap, d, precision, DEVICE, k.dtype)
+    buf = kv_reference.allocate(b, hk, capacity or n + 5, d, precision, DEVICE, k.dtype)
     buf.kq.fill_(99)  # garbage past the tokens
     buf.ks.fill_(1e6)
     buf.vq.copy_(torch.full_like(buf.vs[..., None], 448.0).expand(buf.vq.shape))

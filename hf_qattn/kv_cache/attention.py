@@ -189,7 +189,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
                                         window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
                                         ring=ring)
     stats.record_call("reference")
-    buffers = reference.Buffers(*store[:6])
+    buffers = store  # the storage view has the fields of reference.Buffers
     if ring is not None:  # the slots in position order (INT8: rings hold no INT4), ranges as offsets from the oldest
         first, _ = layer.held_positions()
         slots = layer.chronological_slots()

@@ -125,7 +125,7 @@ class QAttnLayer(CacheLayerMixin):
         if self.precision == "int4" and self.head_dim > 256:
             raise QAttnCacheError("QAttnCache supports head dims up to 256")
         if self.max_len is not None:
-            self._allocate(self.max_len if self.precision == "int8" else _whole_blocks(self.max_len, self.precision))
+            self._allocate(self.max_len)
             self._device_length = torch.zeros(1, device=self.device, dtype=torch.int32)
         self.is_initialized = True
 
@@ -140,7 +140,7 @@ class QAttnLayer(CacheLayerMixin):
                 new[:, :, :rows].copy_(prev[:, :, :rows])
             if old.k_recent is not None:
                 self._buffers.k_recent.copy_(old.k_recent)
-        self._capacity = capacity
+        self._capacity = self._buffers.kq.shape[2]  # INT4 rounds up to whole groups
 
     def _reserve(self, needed: int) -> None:
         if needed <= self._capacity:

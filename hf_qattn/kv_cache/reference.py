@@ -50,13 +50,13 @@ def block_tokens(precision: str) -> int:
 
 def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: str, device,
              recent_dtype: torch.dtype = torch.bfloat16) -> Buffers:
-    """Zeroed storage for ``capacity`` tokens (INT4: whole groups, read a group at a time)."""
+    """Zeroed storage for at least ``capacity`` tokens: exactly that many, or for INT4 whole groups (the decode
+    kernel reads a group a tile); the capacity is ``kq.shape[2]``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
-    if precision == "int4" and capacity % GROUP:
-        raise ValueError(f"capacity must be a multiple of the INT4 group ({GROUP} tokens); got {capacity}")
     b, h, d = batch, heads, head_dim
     if precision == "int4":
+        capacity = -(-capacity // GROUP) * GROUP
         kq = torch.zeros(b, h, capacity, padded_head_dim(d) // 2, device=device, dtype=torch.int8)
         ks = torch.zeros(b, h, capacity // GROUP, 2, d, device=device, dtype=torch.bfloat16)
         k_recent = torch.zeros(b, h, GROUP, d, device=device, dtype=recent_dtype)
@@ -150,10 +150,8 @@ def dequantize_k(buffers: Buffers, d: int, length: int, dtype=torch.float32, slo
     """K − k̄ as stored for the first ``length`` slots (INT4: the whole groups and the incomplete one from
     ``k_recent``), or for the slots ``slots`` (INT8 only): (B, H, ·, D) in ``dtype``."""
     if buffers.precision == "int8":
-        kq, ks = (buffers.kq, buffers.ks) if slots is None else (buffers.kq[:, :, slots], buffers.ks[:, :, slots])
-        if slots is None:
-            kq, ks = kq[:, :, :length], ks[:, :, :length]
-        return kq[..., :d].to(dtype) * ks[..., None].to(dtype)
+        index = slice(0, length) if slots is None else slots
+        return buffers.kq[:, :, index, :d].to(dtype) * buffers.ks[:, :, index, None].to(dtype)
     if slots is not None:
         raise ValueError("INT4 K is read in whole groups: dequantize_k takes a length, not slots")
     whole = length // GROUP * GROUP
