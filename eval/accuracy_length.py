@@ -13,6 +13,10 @@ accumulator before it is added into FP32; the shipped value is in configs/kernel
 Triton kernel (two-level accumulation per tile), cuDNN bf16 as the yardstick.
 Prints a table; with --check exits non-zero when the shipped kernel's RelL1 at the longest length exceeds
 1.2× its value at the shortest, or its cos to float32 falls under 0.999 on zero-mean V.
+
+``--cache`` adds the quantized KV cache's decode kernel (INT8 K and INT4 K, FP8 V: the cache filled with all
+N tokens by its append kernel, then the last 64 positions decoded as one causal step of 64 queries); the
+reference rows are then those last 64 (causal), for every method.
 """
 
 from __future__ import annotations
@@ -72,6 +76,20 @@ def portable(q, k, v):
     return out
 
 
+def cache_decode(precision: str):
+    """The cache's decode over all N keys for the query rows ``rows`` (the last ones, as a causal step)."""
+    from hf_qattn.kernels import decode_launch
+    from hf_qattn.kv_cache import reference as kv_reference
+
+    def run(q, k, v, rows):
+        b, h, n, d = k.shape
+        k_bar, v_bar = kv_reference.centers(k, v)
+        buffers = kv_reference.allocate(b, h, n, d, precision, k.device, k.dtype)
+        decode_launch.append(k, v, k_bar, v_bar, buffers, 0)
+        return decode_launch.decode(q[:, :, rows], buffers, v_bar, n, causal=True).transpose(1, 2)
+    return run
+
+
 def cudnn(q, k, v):
     with torch.nn.attention.sdpa_kernel([SDPA.CUDNN_ATTENTION]):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=CAUSAL["on"])
@@ -85,9 +103,10 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--cache", action="store_true", help="add the KV cache's decode (see above)")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    CAUSAL["on"] = args.causal
+    CAUSAL["on"] = args.causal or args.cache
     shipped = tuning.hopper_config(args.head_dim)["PV_TILES"]
     tiles = sorted({shipped, *(int(t) for t in args.pv_tiles.split(",") if t)})
     methods = {f"qattn pv_tiles={t}" + (" (shipped)" if t == shipped else ""): (lambda t: lambda q, k, v: hopper(q, k, v, t))(t)
@@ -95,15 +114,19 @@ def main() -> int:
     if not args.no_portable:
         methods["qattn portable Triton"] = portable
     methods["cuDNN bf16"] = cudnn
+    methods = {name: (lambda fn: lambda q, k, v, rows: fn(q, k, v)[:, :, rows])(fn) for name, fn in methods.items()}
+    if args.cache:
+        methods.update({f"cache decode, {p.upper()} K": cache_decode(p) for p in ("int8", "int4")})
     lengths = [int(n) for n in args.lengths.split(",")]
     results = {}  # (v_kind, method, n) -> Accuracy
     for v_kind in ("v-mean", "v-zero"):
         for n in lengths:
             q, k, v = inputs(n, v_kind, d=args.head_dim)
-            rows = torch.linspace(0, n - 1, ROWS, device=q.device).long()
+            rows = (torch.arange(n - 64, n, device=q.device) if args.cache
+                    else torch.linspace(0, n - 1, ROWS, device=q.device).long())
             ref = reference_rows(q, k, v, rows)
             for name, fn in methods.items():
-                out = fn(q, k, v)[:, :, rows]
+                out = fn(q, k, v, rows)
                 results[v_kind, name, n] = accuracy(out.float(), ref)
                 print(f"{v_kind} N={n} {name}: RelL1 {results[v_kind, name, n].rel_l1:.4f} "
                       f"cos {results[v_kind, name, n].cos_sim:.6f}", flush=True)
@@ -113,7 +136,7 @@ def main() -> int:
              f"{datetime.date.today()}", "",
              f"torch {torch.__version__}, triton {triton.__version__}; `python3 eval/accuracy_length.py "
              f"{' '.join(sys.argv[1:])}`. Inputs and reference: see the script's docstring (B1 H4 d{args.head_dim} "
-             f"bf16, {'causal, ' if args.causal else ''}{ROWS} reference rows).", ""]
+             f"bf16, {'causal, ' if CAUSAL['on'] else ''}{'the last 64' if args.cache else ROWS} reference rows).", ""]
     for v_kind in ("v-mean", "v-zero"):
         for metric in ("rel_l1", "cos_sim"):
             lines += [f"## {v_kind}: {'RelL1' if metric == 'rel_l1' else 'cos'} to float32", "",
