@@ -12,7 +12,6 @@ import functools
 import math
 
 import torch
-import triton
 
 from . import tuning
 from .fast_launch import fast
@@ -30,31 +29,38 @@ def _check_buffers(buffers) -> bool:
     return int4
 
 
-def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor) -> None:
+def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict | None = None) -> None:
     """Quantize k, v (B, Hk, N, D) into slots [pos0, pos0 + N) of ``buffers`` (``reference.Buffers``): one launch.
     INT4 K is quantized a group at a time, when the group's last token arrives (``reference.append``).
-    ``pos0`` may be a one-element int32 tensor on the device (read by the kernel: CUDA-graph replayable)."""
+    ``pos0`` may be a one-element int32 tensor on the device (read by the kernel: CUDA-graph replayable).
+    ``launches``: as :func:`decode`'s."""
     b, hk, n, d = k.shape
     if n == 0:
         return
     int4 = _check_buffers(buffers)
     device_pos = isinstance(pos0, torch.Tensor)
+    interp = tuning.interpreting()
     if int4:  # a program per group touched: pos0's group and the ones the tokens reach (one more, unknown pos0)
         block_t = GROUP
-        tiles = triton.cdiv(n, GROUP) + 1 if device_pos else (pos0 + n - 1) // GROUP - pos0 // GROUP + 1
+        tiles = _cdiv(n, GROUP) + 1 if device_pos else (pos0 + n - 1) // GROUP - pos0 // GROUP + 1
     else:
-        block_t = tuning.decode_config(tuning.interpreting())["APPEND_BLOCK_T"] if n > 16 else 16
-        tiles = triton.cdiv(n, block_t)
+        block_t = tuning.decode_config(interp)["APPEND_BLOCK_T"] if n > 16 else 16
+        tiles = _cdiv(n, block_t)
     kq, ks, vq, vs, kr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent
     group_strides = ks.stride()[:3] if int4 else (0, 0, 0)
     recent_strides = kr.stride()[:2] if int4 else (0, 0)
-    fast(append_kernel)[(tiles, b * hk)](
-        k, v, k_bar, v_bar, kq, ks, vq, vs, kr, 0 if device_pos else pos0, pos0 if device_pos else None,
-        *k.stride(), *v.stride(), *kq.stride()[:3], *vs.stride()[:2], *group_strides, *recent_strides,
-        *vq.stride()[:3], hk, n,
-        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4,
-        GRID_ROUND=tuning.interpreting(), DEVICE_POS=device_pos, num_warps=4,
-    )
+    args = (k, v, k_bar, v_bar, kq, ks, vq, vs, kr, 0 if device_pos else pos0, pos0 if device_pos else None,
+            *k.stride(), *v.stride(), *kq.stride()[:3], *vs.stride()[:2], *group_strides, *recent_strides,
+            *vq.stride()[:3], hk, n)
+    kwargs = dict(HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4, GRID_ROUND=interp,
+                  DEVICE_POS=device_pos, num_warps=4)
+    if launches is None:
+        fast(append_kernel).launch((tiles, b * hk), args, kwargs)
+    else:  # as decode's memo: the storage and centers by identity, k's and v's layouts, the device count's
+        keep = (kq, ks, vq, vs, kr, k_bar, v_bar, pos0 if device_pos else None)
+        memo_key = (tuple(map(id, keep)), k.dtype, k.shape, k.stride(), k.data_ptr() % 16, v.dtype, v.stride(),
+                    v.data_ptr() % 16, tuple(kwargs.items()))
+        fast(append_kernel).launch_memo(launches, memo_key, keep, (tiles, b * hk), args, kwargs)
 
 
 # Launch settings: tuning.decode_config (``decode`` in configs/kernels.json). Why each exists, and the
@@ -76,6 +82,11 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor) -> None:
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
 
+def _cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: a constexpr function, whose call from Python costs microseconds of host time on every step
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool, block_n: int | None,
           num_splits: int | None, waves: float | None) -> tuple:
@@ -83,26 +94,28 @@ def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool
     if block_n is None:
         block_n = cfg["BLOCK_N"]
     qt = max(1, min(nq, cfg["MAX_ROWS"] // groups))  # query tokens per tile: G·QT rows (≥ 16 by padding)
-    block_m = max(16, triton.next_power_of_2(qt * groups))
-    chunks = triton.cdiv(nq, qt)
-    tiles = max(1, triton.cdiv(nk, block_n))
+    block_m = max(16, 1 << (qt * groups - 1).bit_length())  # the next power of 2
+    chunks = _cdiv(nq, qt)
+    tiles = max(1, _cdiv(nk, block_n))
     if num_splits is None:
         num_splits = cfg["NUM_SPLITS"]
     if num_splits is None:
         programs = chunks * b * hk
-        fill = triton.cdiv(sms, programs)  # splits for one program per SM
-        want = triton.cdiv(int(sms * (cfg["WAVES"] if waves is None else waves)), programs)
+        fill = _cdiv(sms, programs)  # splits for one program per SM
+        want = _cdiv(int(sms * (cfg["WAVES"] if waves is None else waves)), programs)
         num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cfg["MAX_SPLITS"]))
     num_splits = max(1, min(num_splits, tiles))
-    split_len = triton.cdiv(tiles, num_splits) * block_n
-    num_splits = triton.cdiv(max(nk, 1), split_len)  # no empty trailing split
+    split_len = _cdiv(tiles, num_splits) * block_n
+    num_splits = _cdiv(max(nk, 1), split_len)  # no empty trailing split
     return block_n, block_m, qt, chunks, num_splits, split_len
 
 
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, *,
-                block_n: int | None = None, num_splits: int | None = None, waves: float | None = None) -> dict:
-    """Tile sizes and the split count of one decode call."""
-    interp = tuning.interpreting() or device.type != "cuda"
+                block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
+                interpreting: bool | None = None) -> dict:
+    """Tile sizes and the split count of one decode call (``interpreting``: ``tuning.interpreting()``, if the
+    caller read it already)."""
+    interp = (tuning.interpreting() if interpreting is None else interpreting) or device.type != "cuda"
     sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     block_n, block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, interp, block_n,
                                                             num_splits, waves)
@@ -136,7 +149,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
            ring: int | None = None,
            out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None, waves: float | None = None,
-           maxnreg: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, launches: dict | None = None) -> torch.Tensor:
     """Attention of q (B, Hq, Nq, D) over the first ``nk`` tokens of ``buffers`` (``reference.Buffers``, or any
     object with its fields) → (B, Nq, Hq, D) in q's dtype.
 
@@ -157,6 +170,9 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
     thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config` (INT4 K reads a
     group a tile: ``block_n`` is the group, ``KV_INT4_GROUP``).
+    ``launches``: a dict the caller keeps for ``buffers`` (a cache layer's, emptied when its storage moves), in
+    which the launch is remembered, so that a decode step's next launch skips most of the host's work
+    (``FastLauncher.launch_memo``).
     """
     b, hq, nq, d = q.shape
     kq, ks, vq, vs, kr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent
@@ -177,7 +193,8 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         return out
     interp = tuning.interpreting()
     d_pad = tuning.padded_head_dim(d)
-    cfg = plan_launch(b, hk, groups, nq, nk, q.device, block_n=block_n, num_splits=num_splits, waves=waves)
+    cfg = plan_launch(b, hk, groups, nq, nk, q.device, block_n=block_n, num_splits=num_splits, waves=waves,
+                      interpreting=interp)
     if (sinks is not None or softcap is not None) and k_bar is None:
         raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
     if sinks is not None:
@@ -200,18 +217,30 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     settings = tuning.decode_config(interp or q.device.type != "cuda")
     if maxnreg is None:
         maxnreg = settings["maxnreg_int4" if int4 else "maxnreg"] if d_pad <= 128 else 0
-    extra.update(tuning.register_cap(maxnreg))
-    fast(decode_kernel)[(cfg["chunks"], b * hk, splits)](
-        q, kq, ks, vq, vs, kr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
-        k_bar if (sinks is not None or softcap is not None) else None, sinks,
-        *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if int4 else (0, 0, 0)),
-        *(kr.stride()[:3] if int4 else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
-        hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
-        1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1, ring or 1,
+    extra.update(tuning.register_cap(maxnreg, interp))
+    score_k_bar = k_bar if (sinks is not None or softcap is not None) else None
+    args = (q, kq, ks, vq, vs, kr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length, score_k_bar,
+            sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if int4 else (0, 0, 0)),
+            *(kr.stride()[:3] if int4 else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
+            hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
+            1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1, ring or 1)
+    kwargs = dict(
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
         num_warps=settings["num_warps"] if num_warps is None else num_warps, **extra,
     )
+    grid = (cfg["chunks"], b * hk, splits)
+    if launches is None:
+        fast(decode_kernel).launch(grid, args, kwargs)
+    else:
+        # what the launch specializes on besides the kwargs: the storage by identity (its tensors' dtypes,
+        # alignment and strides), q's and out's layout and alignment, the optional tensors' alignment (their
+        # dtypes are fixed above; the workspace comes aligned), the spans' int values
+        keep = (kq, ks, vq, vs, kr, v_bar, score_k_bar, length)
+        memo_key = (tuple(map(id, keep)), q.dtype, q.shape, q.stride(), q.data_ptr() % 16, out.stride(),
+                    out.data_ptr() % 16, *(None if t is None else t.data_ptr() % 16 for t in (kv_start, kv_end, sinks)),
+                    window, chunk, ring, tuple(kwargs.items()))
+        fast(decode_kernel).launch_memo(launches, memo_key, keep, grid, args, kwargs)
     return out

@@ -55,21 +55,30 @@ def _tensor_key(value: torch.Tensor):
     return value.dtype, value.data_ptr() % 16 == 0
 
 
-# The common argument types by exact type: one dict lookup instead of a chain of isinstance checks
-# (a qattn call's three launches key about ninety arguments; the chain was the launch's largest
-# Python cost in eval/results/host-overhead-*.md's profile). Anything else takes ``_arg_key``.
-_KEY_BY_TYPE = {type(None): lambda value: None, bool: lambda value: (bool, value), int: _int_key,
-                torch.Tensor: _tensor_key, float: lambda value: float}
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _args_key(args: tuple, plain: frozenset) -> tuple:
     """The key of the positional arguments; those at the ``plain`` positions (the kernel's
-    ``do_not_specialize`` ints) by type only, as Triton keys them."""
-    get = _KEY_BY_TYPE.get
-    if plain:
-        return tuple(type(value) if i in plain else (get(type(value)) or _arg_key)(value)
-                     for i, value in enumerate(args))
-    return tuple((get(type(value)) or _arg_key)(value) for value in args)
+    ``do_not_specialize`` ints) by type only, as Triton keys them. One loop with the common types inline
+    (``_int_key``, ``_tensor_key``, ``_arg_key`` as they would answer): it runs on every launch, and a
+    function call per argument was most of a decode launch's host time (eval/results/host-overhead-*.md)."""
+    key = []
+    add = key.append
+    for i, value in enumerate(args):
+        kind = type(value)
+        if kind is int:
+            add(int if i in plain else
+                (value == 1) | ((value % 16 == 0) << 1) | ((not -_I32_MAX - 1 <= value <= _I32_MAX) << 2))
+        elif kind in _TENSOR_TYPES:
+            add((value.dtype, value.data_ptr() % 16 == 0))
+        elif value is None:
+            add(None)
+        elif kind is float:
+            add(float)
+        else:
+            add(_arg_key(value))
+    return tuple(key)
 
 
 def _arg_key(value):
@@ -119,14 +128,15 @@ class FastLauncher:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def _params(self, args, kwargs) -> list:
-        """Every parameter's value in signature order (constexprs included: the launcher skips them)."""
+    def _params_tail(self, args, kwargs) -> tuple:
+        """The values of the parameters after the positional ones, in signature order (constexprs included: the
+        launcher skips them) — the same for every launch of one key, whose kwargs it holds."""
         if self._names is None:
             signature = inspect.signature(self.jit_fn.fn)
             self._names = list(signature.parameters)
             self._defaults = {name: p.default for name, p in signature.parameters.items()}
         defaults = self._defaults
-        return [*args, *(kwargs[name] if name in kwargs else defaults[name] for name in self._names[len(args):])]
+        return tuple(kwargs[name] if name in kwargs else defaults[name] for name in self._names[len(args):])
 
     def launch(self, grid, args: tuple, kwargs: dict):
         mode = _mode()
@@ -140,16 +150,42 @@ class FastLauncher:
             kernel = self.jit_fn[grid](*args, **kwargs)
             if hasattr(kernel, "result"):  # Triton's asynchronous compile mode
                 kernel = kernel.result()
-            self.kernels[key] = (kernel, self._specialization(device, args, kwargs))
+            self.kernels[key] = (kernel, self._specialization(device, args, kwargs), self._params_tail(args, kwargs))
             return kernel
-        kernel, specialization = kernel
+        kernel, specialization, tail = kernel
         if mode == "check" and self._specialization(device, args, kwargs) != specialization:
             raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: the key missed a specialization change")
         self.direct += 1
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launch asks
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *self._params(args, kwargs))
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        return kernel
+
+    def launch_memo(self, memo: dict, memo_key, keep: tuple, grid, args: tuple, kwargs: dict):
+        """:meth:`launch`, remembered in the caller's ``memo`` under ``memo_key``: the caller's promise that every
+        launch with that key specializes alike (tensors of the same dtypes and 16-byte alignment, ints of the same
+        classes, the same ``kwargs``). A hit skips the key over every argument (at fifty arguments most of a
+        decode step's launch time on the host) and calls the compiled kernel's launcher. ``keep``: the objects
+        whose ``id`` the key holds, kept alive with the entry so that no other object can take that id.
+        ``HF_QATTN_FAST_LAUNCH=check`` takes the full path every time and raises if it found another kernel than
+        the memo holds (the promise broken)."""
+        entry = memo.get(memo_key)
+        mode = _mode()
+        runtime = triton.knobs.runtime
+        if (entry is None or mode != "1" or not _VERSION_OK or _hooked(runtime.launch_enter_hook)
+                or _hooked(runtime.launch_exit_hook)):
+            kernel = self.launch(grid, args, kwargs)
+            if entry is not None and mode == "check" and entry[0] is not kernel:
+                raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: a memo key stood for two kernels")
+            if entry is None and enabled(mode):
+                memo[memo_key] = (kernel, self._params_tail(args, kwargs), keep)
+            return kernel
+        kernel, tail, _ = entry
+        self.direct += 1
+        device = torch.cuda.current_device()
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args, *tail)
         return kernel
 
     def _specialization(self, device, args, kwargs):

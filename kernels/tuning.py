@@ -113,9 +113,10 @@ def v_center_sample() -> int:
     return int(table()["v_center_sample"])
 
 
-def register_cap(maxnreg: int) -> dict:
-    """The launch option capping a kernel's registers a thread (0: none; the interpreter takes no such option)."""
-    return {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
+def register_cap(maxnreg: int, interp: bool | None = None) -> dict:
+    """The launch option capping a kernel's registers a thread (0: none; the interpreter takes no such option;
+    ``interp``: :func:`interpreting`, if the caller read it already)."""
+    return {"maxnreg": maxnreg} if maxnreg and not (interpreting() if interp is None else interp) else {}
 
 
 def quantize_num_warps(block_n: int, head_dim: int) -> int:

@@ -340,3 +340,38 @@ def test_head_dim_256_with_several_query_tokens(seed, precision):
     ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], 300)
     assert mismatch(out, ref) is None
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bound launches skip Triton's path on a GPU only")
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_bound_launches_of_a_cache_layer_match_triton_launches(seed, precision, monkeypatch):
+    """A cache layer's eager steps launch from its memo of bound launches (``launches``): the same storage and
+    outputs, bit for bit, as Triton's own launches (``HF_QATTN_FAST_LAUNCH=0``) of the same steps, over steps that
+    grow (and so move) the storage and change the split count; and the memo's direct path is taken."""
+    from hf_qattn.kernels import fast_launch
+    from hf_qattn.kv_cache.cache import QAttnLayer
+
+    k, v = (t.to(torch.bfloat16) for t in outlier_kv(1, 2, 150, 64))
+    bound, triton_path = QAttnLayer(precision), QAttnLayer(precision)
+    launcher = fast_launch.fast(decode.decode_kernel)
+    direct = launcher.direct
+
+    def step(layer, k1, v1, q, fast: str):
+        monkeypatch.setenv("HF_QATTN_FAST_LAUNCH", fast)
+        layer._append(k1, v1)
+        store = layer.storage()
+        return store, decode_launch.decode(q, store, store.v_bar, store.length, launches=store.launches)
+
+    for layer, fast in ((bound, "1"), (triton_path, "0")):
+        monkeypatch.setenv("HF_QATTN_FAST_LAUNCH", fast)
+        layer.update(k, v)
+    for i in range(60):
+        k1, v1 = (torch.randn(1, 2, 1, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(1, 8, 1, 64, device=DEVICE, dtype=torch.bfloat16)
+        store, got = step(bound, k1, v1, q, "1")
+        want_store, want = step(triton_path, k1, v1, q, "0")
+        assert torch.equal(got, want), f"output of step {i}"
+        for a, b in zip(store[1:6], want_store[1:6]):
+            if a is not None:
+                assert torch.equal(a, b), f"storage after step {i}"
+    assert launcher.direct >= direct + 50

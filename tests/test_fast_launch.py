@@ -66,7 +66,8 @@ def test_ints_the_kernel_does_not_specialize_on_share_one_key():
     assert fast_launch._args_key((16,), frozenset()) != fast_launch._args_key((17,), frozenset())
 
 
-def test_disabled_launcher_calls_the_kernel_unchanged():
+def test_disabled_launcher_calls_the_kernel_unchanged(monkeypatch):
+    monkeypatch.setenv("HF_QATTN_FAST_LAUNCH", "0")  # off (it is under the interpreter too)
     calls = []
 
     class Kernel:
@@ -75,7 +76,7 @@ def test_disabled_launcher_calls_the_kernel_unchanged():
 
     launcher = fast_launch.fast(Kernel())
     assert launcher is fast_launch.fast(launcher.jit_fn)  # one launcher per kernel
-    assert launcher[(3, 2)](1, 2.0, BLOCK=16) == "launched"  # the tests run under the interpreter: pass-through
+    assert launcher[(3, 2)](1, 2.0, BLOCK=16) == "launched"  # pass-through
     assert calls == [((3, 2), (1, 2.0), {"BLOCK": 16})]
     assert launcher.direct == 0
 
@@ -89,3 +90,67 @@ def test_hook_chain_counts_as_set_only_when_it_holds_a_hook():
     assert not fast_launch._hooked(Chain([]))
     assert fast_launch._hooked(Chain([print]))
     assert fast_launch._hooked(print)
+
+
+class _Compiled:
+    """A stand-in compiled kernel: records the arguments its launcher is called with."""
+
+    function = packed_metadata = None
+
+    def __init__(self, name):
+        self.name, self.runs = name, []
+
+    def run(self, *args):
+        self.runs.append(args[9:])  # after grid, stream, function, metadata and the three hooks
+
+
+def _memo_launcher(monkeypatch, kernels):
+    """A FastLauncher of a two-parameter kernel ``f(x, N, BLOCK)`` with the direct path forced on the CPU; its
+    Triton launch (a miss) hands out ``kernels`` in turn."""
+    monkeypatch.setattr(fast_launch, "_VERSION_OK", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    given = iter(kernels)
+
+    class Jit:
+        params = None
+        __name__ = "f"
+
+        @staticmethod
+        def fn(x, N, BLOCK=4):  # noqa: N803 - the kernel's signature
+            pass
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: next(given)
+
+    return fast_launch.FastLauncher(Jit())
+
+
+def test_memo_launch_binds_once_and_runs_with_each_calls_arguments(monkeypatch):
+    first = _Compiled("first")
+    launcher = _memo_launcher(monkeypatch, [first])
+    memo = {}
+    x, y = torch.zeros(4), torch.ones(4)
+    assert launcher.launch_memo(memo, "key", (x,), (2,), (x, 5), {"BLOCK": 8}) is first  # a miss: Triton's launch
+    assert list(memo) == ["key"] and memo["key"][2] == (x,)
+    assert launcher.launch_memo(memo, "key", (x,), (2,), (y, 6), {"BLOCK": 8}) is first  # a hit: the direct run
+    assert first.runs == [(y, 6, 8)] and launcher.direct == 1
+
+
+def test_memo_launch_check_mode_catches_a_key_that_stands_for_two_kernels(monkeypatch):
+    launcher = _memo_launcher(monkeypatch, [_Compiled("a"), _Compiled("b")])
+    memo = {}
+    launcher.launch_memo(memo, "key", (), (1,), (torch.zeros(4), 5), {"BLOCK": 8})
+    monkeypatch.setenv("HF_QATTN_FAST_LAUNCH", "check")
+    monkeypatch.setattr(launcher, "_specialization", lambda *args: None)  # Triton's binder needs a GPU
+    with pytest.raises(RuntimeError, match="memo key stood for two kernels"):
+        launcher.launch_memo(memo, "key", (), (1,), (torch.zeros(4), 5), {"BLOCK": 16})  # BLOCK not in the key
+
+
+def test_memo_launch_stores_nothing_when_the_fast_path_is_off(monkeypatch):
+    launcher = _memo_launcher(monkeypatch, [_Compiled("a")])
+    monkeypatch.setenv("HF_QATTN_FAST_LAUNCH", "0")
+    memo = {}
+    launcher.launch_memo(memo, "key", (), (1,), (torch.zeros(4), 5), {})
+    assert memo == {} and launcher.direct == 0

@@ -1,6 +1,11 @@
 """What the host spends to issue one qattn call, piece by piece (H100; the GPU held busy, so only issue time).
 
     bash eval/device_run.sh bash -c 'python3 eval/studies/host_overhead.py --out $OUT'
+    bash eval/device_run.sh python3 eval/studies/host_overhead.py --decode-only
+
+``--decode-only``: one decode step of one attention layer instead (B1 Hq32 Hk8 d128 bf16, a 4k-token cache):
+transformers' DynamicCache + SDPA flash against QAttnCache + qattn, the qattn layer's pieces, and a cProfile of
+its step.
 
 Prints µs per operation: a qattn call (B1 H32 N1k d128 fp16) and its pieces — the three launches
 through Triton's JIT path, the same launches with their arguments already bound (the compiled
@@ -69,9 +74,14 @@ def capture_launches(fn):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--decode-only", action="store_true", help="only a decode step's layer and its pieces")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
+    if args.decode_only:
+        rows = decode_layer_rows()
+        print("\n".join(f"| {name} | {us:.1f} |" for name, us in rows))
+        return
     q, k, v = (torch.randn(1, 32, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     call = lambda: hf_qattn.qattn(q, k, v)  # noqa: E731
     rows.append(("qattn B1 H32 N1k d128 (whole call)", host_us(call)))
@@ -126,6 +136,84 @@ def main():
         name = f"host-overhead-{torch.cuda.get_device_name().replace(' ', '-')}-{datetime.date.today()}.md"
         with open(os.path.join(args.out, name), "w") as f:
             f.write(report)
+
+
+def decode_layer_rows(prompt: int = 4096):
+    """Host µs of one decode step of one attention layer (B1, Hq32 Hk8 d128, bf16, a ``prompt``-token cache):
+    transformers' DynamicCache + SDPA (flash) against QAttnCache + qattn, and the qattn layer's pieces."""
+    import transformers as tf
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_qattn.integrations.transformers import attention as integration
+    from hf_qattn.kv_cache import attention as kv_attention
+
+    config = tf.LlamaConfig(num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                            head_dim=128, intermediate_size=64, vocab_size=64)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="qattn", dtype=torch.bfloat16)
+    module = model.model.layers[0].self_attn
+    scaling = module.scaling
+    kc, vc = (torch.randn(1, 8, prompt, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k1, v1 = (torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q1 = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    dynamic = tf.DynamicCache(config=config)
+    dynamic.update(kc, vc, 0)
+
+    def flash_layer():
+        key, value = dynamic.update(k1, v1, 0)
+        return sdpa_attention_forward(module, q1, key, value, None, scaling=scaling)
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        rows.append(("layer step: DynamicCache.update + SDPA flash", host_us(flash_layer)))
+    cache = hf_qattn.QAttnCache(model, plan="int8")
+    cache.update(kc, vc, 0)
+    packed = cache.update(k1, v1, 0)
+
+    def qattn_layer():
+        key, value = cache.update(k1, v1, 0)
+        return integration.qattn_attention_forward(module, q1, key, value, None, scaling=scaling)
+
+    rows.append(("layer step: QAttnCache.update + qattn", host_us(qattn_layer)))
+    rows.append(("  QAttnCache.update (append launch, PackedKV handles)", host_us(lambda: cache.update(k1, v1, 0))))
+    rows.append(("  qattn_attention_forward over the packed layer", host_us(
+        lambda: integration.qattn_attention_forward(module, q1, *packed, None, scaling=scaling))))
+    pattern, _ = integration.resolve_pattern(module, q1, packed[0], None, None, {})
+    def read_mask():
+        integration.call_variants(module, q1, packed[0], packed[1], 0.0, {})
+        return integration.resolve_pattern(module, q1, packed[0], None, None, {})
+
+    rows.append(("    call_variants + step_pattern", host_us(lambda: kv_attention.step_pattern(q1, packed[0], read_mask))))
+    rows.append(("    packed_attention", host_us(lambda: kv_attention.packed_attention(q1, packed[0], pattern, scaling))))
+    layer = cache.layers[0]
+    store = layer.storage()
+    n = store.length
+    rows.append(("      layer.storage()", host_us(layer.storage)))
+    rows.append(("      decode_launch.decode", host_us(lambda: decode_launch.decode(q1, store, store.v_bar, n))))
+    rows.append(("      decode_launch.append", host_us(
+        lambda: decode_launch.append(k1, v1, store.k_bar, store.v_bar, store, n - 1))))
+    rows.append(("  PackedKV handle", host_us(lambda: kv_attention.PackedKV(layer, "keys"))))
+    from hf_qattn.kernels import fast_launch
+
+    launcher = fast_launch.fast(decode_launch.decode_kernel)
+    seen = []
+    original = launcher.launch
+    launcher.launch = lambda grid, a, kw: seen.append((grid, a, kw)) or original(grid, a, kw)
+    decode_launch.decode(q1, store, store.v_bar, n)
+    launcher.launch = original
+    grid, a, kw = seen[-1]
+    rows.append(("      decode: FastLauncher.launch, arguments given", host_us(lambda: launcher.launch(grid, a, kw))))
+    rows.append(("      decode: its key", host_us(lambda: (torch.cuda.current_device(), fast_launch._args_key(
+        a, launcher.plain), tuple(kw.items())))))
+    kernel = launcher.launch(grid, a, kw)
+    params = [*a, *launcher._params_tail(a, kw)]
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    rows.append(("      decode: compiled kernel's run", host_us(lambda: kernel.run(
+        g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *params))))
+    print(_profile(qattn_layer, 200))
+    return rows
 
 
 def _profile(call, calls: int = 300) -> str:

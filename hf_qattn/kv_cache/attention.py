@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 
@@ -25,11 +26,19 @@ def _kernels_available(device: torch.device) -> bool:
     """Whether the cache on ``device`` runs the Triton append and decode kernels (CUDA, or any device under
     the Triton interpreter) or their PyTorch reference: the one choice for writing and for reading the
     cache (:meth:`QAttnLayer._append <hf_qattn.kv_cache.cache.QAttnLayer._append>`, :func:`packed_attention`)."""
+    launch = decode_launch()
+    return launch is not None and (device.type == "cuda" or launch.tuning.interpreting())
+
+
+@functools.cache
+def decode_launch():
+    """``hf_qattn.kernels.decode_launch``, or None without triton; imported once (a decode step's host path runs
+    this for every layer)."""
     try:
-        from ..kernels import tuning  # needs triton
+        from ..kernels import decode_launch as module  # needs triton
     except ImportError:
-        return False
-    return device.type == "cuda" or tuning.interpreting()
+        return None
+    return module
 
 
 class PackedKV(torch.Tensor):
@@ -176,18 +185,16 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     else:
         nk = min(int(pattern.kv_len), store.length)
     if _kernels_available(query.device):
-        from ..kernels import decode_launch
-
         stats.record_call("triton")
         other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
             # static storage read to its end: the kernel takes the count from device memory (graph-replayable)
             by_device = store.device_length is not None and nk == store.length
-            return decode_launch.decode(query, store, store.v_bar, store.capacity if by_device else nk,
+            return decode_launch().decode(query, store, store.v_bar, store.capacity if by_device else nk,
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
                                         kv_end=kv_end, length=store.device_length if by_device else None,
                                         window=window, chunk=chunk, sinks=sinks, softcap=softcap, k_bar=store.k_bar,
-                                        ring=ring)
+                                        ring=ring, launches=store.launches)
     stats.record_call("reference")
     buffers = store  # the storage view has the fields of reference.Buffers
     if ring is not None:  # the slots in position order (INT8: rings hold no INT4), ranges as offsets from the oldest

@@ -43,7 +43,7 @@ import torch
 
 from ..plan import PLAN_CONFIG_KEY, QAttnPlan
 from . import reference
-from .attention import PackedKV, QAttnCacheError, _kernels_available, is_packed  # noqa: F401
+from .attention import PackedKV, QAttnCacheError, _kernels_available, decode_launch, is_packed  # noqa: F401
 
 try:
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
@@ -86,6 +86,7 @@ class CacheStorage(NamedTuple):
     length: int
     capacity: int
     device_length: torch.Tensor | None
+    launches: dict | None = None  # the layer's memo of bound kernel launches (decode_launch.decode's ``launches``)
 
 
 class QAttnLayer(CacheLayerMixin):
@@ -112,6 +113,9 @@ class QAttnLayer(CacheLayerMixin):
         self._buffers = None  # reference.Buffers
         self._k_bar = self._v_bar = None
         self._device_length = None  # static storage: the token count as a (1,) int32 tensor on the device
+        # the append and decode launches bound to this storage (decode_launch's ``launches``): a decode step's host
+        # time; emptied whenever the storage or the centers are replaced, which the bound launches hold
+        self._launches = {}
 
     def __repr__(self):
         return f"QAttnLayer({self.precision}, tokens={self._length})"
@@ -141,6 +145,7 @@ class QAttnLayer(CacheLayerMixin):
             if old.k_recent is not None:
                 self._buffers.k_recent.copy_(old.k_recent)
         self._capacity = self._buffers.kq.shape[2]  # INT4 rounds up to whole groups
+        self._launches = {}
 
     def _reserve(self, needed: int) -> None:
         if needed <= self._capacity:
@@ -165,9 +170,8 @@ class QAttnLayer(CacheLayerMixin):
     def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, slot: int | torch.Tensor) -> None:
         """Quantize the tokens into the consecutive slots from ``slot`` on (an int, or a (1,) device tensor)."""
         if _kernels_available(self.device):
-            from ..kernels import decode_launch
-
-            decode_launch.append(key_states, value_states, self._k_bar, self._v_bar, self._buffers, slot)
+            decode_launch().append(key_states, value_states, self._k_bar, self._v_bar, self._buffers, slot,
+                                 launches=self._launches)
         else:
             reference.append(key_states, value_states, self._k_bar, self._v_bar, self._buffers, int(slot))
 
@@ -216,6 +220,7 @@ class QAttnLayer(CacheLayerMixin):
         if self._device_length is not None:
             self._device_length.zero_()
         self._k_bar = self._v_bar = None
+        self._launches = {}
         if self.max_len is None:
             self._buffers = None
             self._capacity = 0
@@ -245,6 +250,7 @@ class QAttnLayer(CacheLayerMixin):
         index = index.to(self.device)
         picked = [t if t is None or isinstance(t, str) else t.index_select(0, index).contiguous() for t in self._buffers]
         self._buffers = reference.Buffers(*picked)
+        self._launches = {}
         for name in ("_k_bar", "_v_bar"):
             value = getattr(self, name)
             if value is not None:
@@ -271,7 +277,7 @@ class QAttnLayer(CacheLayerMixin):
     def storage(self) -> CacheStorage:
         """The storage as a :class:`CacheStorage` view, for the attention over the cache (and benchmarks)."""
         return CacheStorage(*self._buffers, self._k_bar, self._v_bar, self._length, self._capacity,
-                            self._device_length)
+                            self._device_length, self._launches)
 
     def nbytes(self, used: bool = False) -> int:
         """Bytes of the storage: quantized K and V, their scales, INT4's incomplete group, the centers — as
