@@ -64,7 +64,9 @@ REASON_NO_GLUON = "the sm90 Gluon kernel cannot be built with the installed trit
 def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *more: torch.Tensor | None) -> bool:
     """Whether autograd would flow through this attention call (the quantized kernels are inference-only);
     ``more``: other tensors the call reads (the sinks), None where absent."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, *more))
+    # no generator: this runs twice in every decode step of every layer
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or any(t is not None and t.requires_grad for t in more))
 
 
 def argument_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[str, str] | None:

@@ -87,16 +87,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool, block_n: int | None,
+def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool, block_n: int,
           num_splits: int | None, waves: float | None) -> tuple:
+    """(block_m, qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs."""
+    block_m, qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, interp,
+                                                 block_n, num_splits, waves)
+    return block_m, qt, chunks, _cdiv(max(nk, 1), split_len), split_len  # no empty trailing split
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, interp: bool, block_n: int,
+          num_splits: int | None, waves: float | None) -> tuple:
+    """(block_m, qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
+    this is computed once per tile, not per step."""
     cfg = tuning.decode_config(interp)
-    if block_n is None:
-        block_n = cfg["BLOCK_N"]
     qt = max(1, min(nq, cfg["MAX_ROWS"] // groups))  # query tokens per tile: G·QT rows (≥ 16 by padding)
     block_m = max(16, 1 << (qt * groups - 1).bit_length())  # the next power of 2
     chunks = _cdiv(nq, qt)
-    tiles = max(1, _cdiv(nk, block_n))
     if num_splits is None:
         num_splits = cfg["NUM_SPLITS"]
     if num_splits is None:
@@ -105,9 +112,7 @@ def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool
         want = _cdiv(int(sms * (cfg["WAVES"] if waves is None else waves)), programs)
         num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cfg["MAX_SPLITS"]))
     num_splits = max(1, min(num_splits, tiles))
-    split_len = _cdiv(tiles, num_splits) * block_n
-    num_splits = _cdiv(max(nk, 1), split_len)  # no empty trailing split
-    return block_n, block_m, qt, chunks, num_splits, split_len
+    return block_m, qt, chunks, _cdiv(tiles, num_splits) * block_n
 
 
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, *,
@@ -117,8 +122,9 @@ def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.de
     caller read it already)."""
     interp = (tuning.interpreting() if interpreting is None else interpreting) or device.type != "cuda"
     sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    block_n, block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, interp, block_n,
-                                                            num_splits, waves)
+    if block_n is None:
+        block_n = tuning.decode_config(interp)["BLOCK_N"]
+    block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, interp, block_n, num_splits, waves)
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, QT=qt, chunks=chunks, num_splits=splits, split_len=split_len)
 
 

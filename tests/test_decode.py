@@ -171,7 +171,7 @@ def test_split_count_fills_the_gpu_without_overshooting(b, hk, nq, nk):
     about WAVES programs per SM, never more splits than key tiles, none empty."""
     sms, block_n = 132, 64
     cfg = tuning.decode_config(False)
-    _, _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, False, block_n, None, None)
+    _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, False, block_n, None, None)
     tiles = -(-nk // block_n)
     programs = chunks * b * hk
     assert 1 <= splits <= tiles and split_len % block_n == 0

@@ -1,6 +1,7 @@
 """Where does one decode step of bench_decode's 8-layer model spend its time? Times steps and profiles.
 
     bash eval/device_run.sh python3 eval/studies/probe_generate_step.py [PROMPT [MODES [cprofile]]]   e.g. 16384 qattn,flash
+    bash eval/device_run.sh python3 eval/studies/probe_generate_step.py alternate 4096,16384
 
 Modes: ``sdpa`` (cuDNN) and ``flash`` (SDPA's flash backend) + DynamicCache, ``qattn`` + QAttnCache (int8).
 Prefill a prompt, then 24 greedy steps, each timed by CUDA events (what bench_decode reports) and by the
@@ -11,6 +12,7 @@ torch.profiler over 3 steps, printing the ops with the most host (self CPU) and 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -35,7 +37,6 @@ def build():
 
 @torch.no_grad()
 def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
-    import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -103,9 +104,46 @@ def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
             stats.sort_stats("cumulative").print_stats(40)
 
 
+@torch.no_grad()
+def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
+    """Eager steps of SDPA flash + DynamicCache and qattn + QAttnCache (int8) in alternating blocks of ``steps``,
+    ``rounds`` blocks each, no profiler (the profiler's hooks slow every launch after it): the host's speed
+    drifts on a shared machine, so the two are compared block by block. Prints the median ms a step of each
+    and of their per-round ratio."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    runs = {}
+    for mode in ("flash", "qattn"):
+        model.set_attn_implementation("qattn" if mode == "qattn" else "sdpa")
+        cache = hf_qattn.QAttnCache(model, plan="int8") if mode == "qattn" else tf.DynamicCache(config=model.config)
+        ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+        token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        runs[mode] = [cache, token, []]
+    for _ in range(rounds + 1):  # the first round warms up
+        for mode, run in runs.items():
+            model.set_attn_implementation("qattn" if mode == "qattn" else "sdpa")
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if mode == "flash" else contextlib.nullcontext():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    run[1] = model(run[1], **{CACHE_KW: run[0]}, use_cache=True).logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+            run[2].append((time.perf_counter() - t0) * 1e3 / steps)
+    flash, qattn = runs["flash"][2][1:], runs["qattn"][2][1:]
+    ratios = [f / q for f, q in zip(flash, qattn)]
+    print(f"== alternating L={prompt}: flash {statistics.median(flash):.2f} ms/step, qattn {statistics.median(qattn):.2f}"
+          f" ms/step, flash/qattn per round: median {statistics.median(ratios):.3f}, "
+          f"range {min(ratios):.3f}–{max(ratios):.3f} ({rounds} rounds of {steps} steps)", flush=True)
+
+
 def main():
     import sys
 
+    if len(sys.argv) > 1 and sys.argv[1] == "alternate":
+        model = build()
+        for prompt in (int(n) for n in sys.argv[2].split(",")):
+            alternate(model, prompt)
+        return
     prompt = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["sdpa", "qattn", "sdpa"]  # sdpa twice: first-run effects
     cprofile = len(sys.argv) > 3 and sys.argv[3] == "cprofile"
