@@ -457,19 +457,66 @@ def test_several_token_steps_over_a_filled_window_cache(seed, kind):
         assert hf_qattn.fallback_stats()["fallbacks"] == {}, hf_qattn.fallback_stats()
 
 
-def test_captured_generate_runs_window_layers_in_eager_steps(seed):
-    """captured_generate cannot give sliding / chunked layers static storage: it says so (counted, warned once)
-    and runs transformers' own decoding loop over the same quantized cache, which gives the same tokens."""
-    _, model, _ = _tiny_pair("mistral")
+@pytest.mark.parametrize("kind", ["mistral", "llama4"])
+def test_captured_generate_over_window_layers(seed, kind, fresh_stats):
+    """captured_generate gives sliding-window layers static storage (the ring, its count and slot on the device)
+    and replays their steps: the tokens of transformers' own loop, nothing counted. Chunked layers (Llama 4) cannot
+    be static: it says so (counted, warned once) and runs transformers' loop over the same quantized cache, which
+    gives the same tokens."""
+    _, model, _ = _tiny_pair(kind)
     ids = torch.randint(1, 128, (1, 12), device=DEVICE)
     keyword = cache_argument(model)
-    plain = model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4,
+    plain = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
                            **{keyword: hf_qattn.QAttnCache(model)})
-    hf_qattn.reset_fallback_stats()
-    with pytest.warns(RuntimeWarning, match="static storage"):
-        captured = model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4,
-                                  custom_generate=hf_qattn.captured_generate, **{keyword: hf_qattn.QAttnCache(model)})
+    fresh_stats()
+    cache = hf_qattn.QAttnCache(model)
+    if kind == "mistral":
+        captured = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                                  custom_generate=hf_qattn.captured_generate, **{keyword: cache})
+        assert not any(reason.startswith("captured_generate") for reason in fresh_stats()["fallbacks"])
+        assert all(layer.storage().device_length is not None for layer in cache.layers)
+    else:
+        with pytest.warns(RuntimeWarning, match="static storage"):
+            captured = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                                      custom_generate=hf_qattn.captured_generate, **{keyword: cache})
     assert torch.equal(plain, captured)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2"])
+def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monkeypatch):
+    """CapturedDecodeStep over a static cache with sliding-window layers (Mistral: all; gpt-oss with sinks, Gemma 2
+    with soft-capping: every other): its steps (replayed on a GPU; elsewhere its eager warm-up steps, which run
+    the step exactly as captured, slot and held count read from device memory) give the logits of the plain loop
+    over a dynamic cache, as the rings wrap; the device counts follow the host's; a chunked layer is refused."""
+    from hf_qattn.kv_cache import captured
+
+    _, model, _ = _tiny_pair(kind)
+    keyword = cache_argument(model)
+    ids = torch.randint(1, 128, (1, 13), device=DEVICE)
+    steps = torch.randint(1, 128, (1, 12), device=DEVICE)
+    dynamic, static = hf_qattn.QAttnCache(model), hf_qattn.QAttnCache(model, static_max_len=32)
+    monkeypatch.setattr(captured, "_capture_device_ok", lambda device: True)  # the warm-up steps run anywhere
+    with torch.no_grad():
+        want = [model(ids, use_cache=True, **{keyword: dynamic}).logits[:, -1]]
+        got = [model(ids, use_cache=True, **{keyword: static}).logits[:, -1]]
+        # on a GPU the third step is captured and the rest replayed; elsewhere every step runs as captured, eagerly
+        step = hf_qattn.CapturedDecodeStep(model, static, warmup=2 if DEVICE == "cuda" else steps.shape[1])
+        for i in range(steps.shape[1]):
+            want.append(model(steps[:, i:i + 1], use_cache=True, **{keyword: dynamic}).logits[:, -1])
+            got.append(step(steps[:, i:i + 1])[:, -1].clone())
+            for layer in static.layers:
+                if isinstance(layer, qcache.QAttnWindowLayer):
+                    store = layer.storage()
+                    assert int(store.device_length) == store.length == min(layer.get_seq_length(), layer.span)
+                    assert int(layer._device_slot) == layer.get_seq_length() % layer.span
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {i}")
+    _, chunked, _ = _tiny_pair("llama4")
+    with torch.no_grad():
+        filled = hf_qattn.QAttnCache(chunked, static_max_len=32)
+        chunked(ids, use_cache=True, **{keyword: filled})
+    with pytest.raises(qcache.QAttnCacheError, match="chunked_attention"):
+        hf_qattn.CapturedDecodeStep(chunked, filled)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "llama4"])

@@ -150,6 +150,13 @@ def _ring_read(layer, batch: int, pattern, window, chunk):
             torch.full((batch,), hi - lo if wraps else begin + hi - lo, dtype=torch.int32), wraps)
 
 
+def _whole_ring(layer, pattern, window, chunk) -> bool:
+    """Whether a one-token step reads every slot a sliding-window layer holds: no key ranges (padding), and the
+    call's window the layer's (or none) — what :func:`_ring_read` finds there, without reading the host's counts."""
+    return (layer.kind == "sliding_attention" and pattern.kv_start is None and pattern.kv_end is None
+            and chunk is None and window in (None, layer.span))
+
+
 def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,
                      window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
                      softcap: float | None = None) -> torch.Tensor:
@@ -178,10 +185,13 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         if query.shape[2] != 1:
             raise QAttnCacheError(f"a {layer.kind} cache layer is read by one-token steps only; got "
                                   f"{query.shape[2]} queries")
-        kv_start, kv_end, wraps = _ring_read(layer, query.shape[0], pattern, window, chunk)
+        if store.device_length is not None and _whole_ring(layer, pattern, window, chunk):
+            kv_start = kv_end = None  # every held slot, as many as device memory says (graph-replayable)
+        else:
+            kv_start, kv_end, wraps = _ring_read(layer, query.shape[0], pattern, window, chunk)
+            ring = layer.span if wraps else None
         window = chunk = None  # in the ranges now
         nk = store.length
-        ring = layer.span if wraps else None
     else:
         nk = min(int(pattern.kv_len), store.length)
     if _kernels_available(query.device):

@@ -32,7 +32,9 @@ What a layer's ``update`` returns:
 generating; exceeding it raises) and keeps each layer's token count in device memory as well
 (``QAttnLayer.storage().device_length``), which the append and decode kernels read: a decode step then
 has no host-side value that changes from step to step, so it can be captured in a CUDA graph and
-replayed (:class:`hf_qattn.CapturedDecodeStep`).
+replayed (:class:`hf_qattn.CapturedDecodeStep`). A sliding-window layer's ring is its static storage: its held
+count and its next slot live in device memory and advance there. Chunked layers stay dynamic (the slots a
+step reads come from its mask).
 """
 
 from __future__ import annotations
@@ -335,6 +337,7 @@ class QAttnWindowLayer(QAttnLayer):
         super().__init__(precision, None, center_sample)
         self.kind, self.span = kind, span
         self._seen = 0  # every token appended (the position of the next one)
+        self._device_slot = None  # static storage: the next token's slot, seen mod span, on the device
 
     def __repr__(self):
         return f"QAttnWindowLayer({self.kind}, span={self.span}, {self.precision}, seen={self._seen})"
@@ -353,8 +356,21 @@ class QAttnWindowLayer(QAttnLayer):
     def _allocate(self, capacity: int) -> None:
         super()._allocate(min(capacity, _whole_blocks(self.span)))
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.max_len is not None:
+            self._device_slot = torch.zeros(1, device=self.device, dtype=torch.int32)
+
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[-2]
+        if self._device_slot is not None and n == 1 and self._seen > 0:
+            # a decode step over static storage: the slot and the held count come from device memory and advance
+            # there (a replayed CUDA graph writes the right slot); the host counts advance alike
+            self._write(key_states, value_states, self._device_slot)
+            self._seen, self._length = self._seen + 1, min(self._seen + 1, self.span)
+            self._device_length.add_(1).clamp_(max=self.span)
+            self._device_slot.add_(1).remainder_(self.span)
+            return
         if self._k_bar is None:
             self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
         total = self._seen + n
@@ -368,6 +384,14 @@ class QAttnWindowLayer(QAttnLayer):
         if first + run < total:
             self._write(key_states[:, :, first - self._seen + run:], value_states[:, :, first - self._seen + run:], 0)
         self._seen, self._length = total, total - keep_from
+        self._sync_device_counts()
+
+    def _sync_device_counts(self) -> None:
+        """Static storage: the device's held count and next slot set from the host's (never inside a capture:
+        only a decode step of one token is replayed, and it advances them on the device)."""
+        if self._device_slot is not None:
+            self._device_length.fill_(self._length)
+            self._device_slot.fill_(self._seen % self.span)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -402,12 +426,23 @@ class QAttnWindowLayer(QAttnLayer):
         return min(self._seen, self.span)
 
     def reserve(self, tokens: int) -> None:
-        raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {self.kind} cache "
-                              "layers: their ring position changes every step")
+        """Static storage (a CUDA-graph decode step): the ring of ``span`` slots, whatever ``tokens``, with the
+        held count and the next slot in device memory. A sliding-window layer only: its one-token read is every
+        held slot, while a chunked layer's is a slot range that the step's mask gives."""
+        if self.kind != "sliding_attention":
+            raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {self.kind} "
+                                  "cache layers: the slots a step reads come from its mask")
+        super().reserve(self.span)
+
+    def advance_after_replay(self, tokens: int = 1) -> None:
+        self._seen += tokens
+        self._length = min(self._seen, self.span)
 
     def reset(self) -> None:
         super().reset()
         self._seen = 0
+        if self._device_slot is not None:
+            self._device_slot.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -420,6 +455,7 @@ class QAttnWindowLayer(QAttnLayer):
         self._seen, self._length = seen, max(seen - max(first, self._keep_from(seen)), 0)
         if seen == 0:
             self.reset()
+        self._sync_device_counts()
 
     def held_positions(self) -> tuple[int, int]:
         """[keep_from, seen): the positions the layer holds; the token at p is in slot p mod span."""
@@ -497,7 +533,8 @@ class QAttnCache(Cache):
         plan: a :class:`QAttnPlan`, a plan dict, or one precision for every layer (``"int8"``, ``"int4"``,
             or the unquantized one, which keeps transformers' DynamicLayer). Default:
             ``config.qattn_plan`` when present, else ``"int8"`` everywhere.
-        static_max_len: preallocate storage for this many tokens per layer (no reallocation).
+        static_max_len: preallocate storage for this many tokens per layer (no reallocation; a sliding-window
+            layer: its window, with its count and next slot in device memory; chunked layers stay dynamic).
         center_sample: tokens sampled for the centers k̄, v̄ (None: all tokens of the first fill).
     """
 
@@ -525,7 +562,10 @@ class QAttnCache(Cache):
             return DynamicLayer()
         span = (kwargs or {}).get("sliding_window")
         if kind in WINDOW_KINDS and quantized and span is not None:
-            return QAttnWindowLayer(kind, int(span), precision, self._center_sample)
+            layer = QAttnWindowLayer(kind, int(span), precision, self._center_sample)
+            if self._static_max_len is not None and kind == "sliding_attention":  # chunked rings stay dynamic
+                layer.reserve(self._static_max_len)
+            return layer
         # unquantized by the plan, linear attention, ...: transformers' own layer
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**(kwargs or {}))
 
@@ -537,12 +577,14 @@ class QAttnCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reserve(self, tokens: int) -> None:
-        """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``), before the first fill:
-        what a CUDA-graph decode step needs. Every layer must be quantized, none sliding or chunked."""
-        windows = sorted({layer.kind for layer in self.layers if isinstance(layer, QAttnWindowLayer)})
-        if windows:
-            raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {windows} cache "
-                                  "layers: their ring position changes every step")
+        """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``; a sliding-window layer's ring
+        of its window), before the first fill: what a CUDA-graph decode step needs. Every layer must be
+        quantized, none chunked."""
+        chunked = sorted({layer.kind for layer in self.layers
+                          if isinstance(layer, QAttnWindowLayer) and layer.kind != "sliding_attention"})
+        if chunked:
+            raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {chunked} cache "
+                                  "layers: the slots a step reads come from its mask")
         others = sorted({type(layer).__name__ for layer in self.layers if not isinstance(layer, QAttnLayer)})
         if others:
             raise QAttnCacheError(f"static storage needs every cache layer quantized; this cache also has {others} "

@@ -47,7 +47,8 @@ class CapturedDecodeStep:
     Args:
         model: a causal LM with ``attn_implementation="qattn"``, on a CUDA device.
         cache: a :class:`~hf_qattn.QAttnCache` built with ``static_max_len`` and already filled by the
-            prefill; every layer quantized (a plan's full-precision layers grow, and cannot be replayed).
+            prefill; every layer quantized (a plan's full-precision layers grow, and cannot be replayed),
+            sliding-window layers included, chunked ones not.
         warmup: eager steps before the capture (they compile the kernels; at least 1). They run the
             step exactly as captured.
     """
@@ -61,10 +62,11 @@ class CapturedDecodeStep:
         if kinds:
             raise QAttnCacheError(f"CapturedDecodeStep needs every cache layer quantized; this cache also has "
                                   f"{sorted(kinds)} layers (full-precision or special layers grow every step)")
-        windows = sorted({layer.kind for layer in cache.layers if hasattr(layer, "held_positions")})
-        if windows:
-            raise QAttnCacheError(f"CapturedDecodeStep cannot replay {windows} cache layers: their ring slot moves "
-                                  "every step (run the decode steps eagerly)")
+        chunked = sorted({layer.kind for layer in cache.layers
+                          if hasattr(layer, "held_positions") and layer.kind != "sliding_attention"})
+        if chunked:
+            raise QAttnCacheError(f"CapturedDecodeStep cannot replay {chunked} cache layers: the slots a step reads "
+                                  "come from its mask (run the decode steps eagerly)")
         if any(layer.max_len is None for layer in cache.layers):
             raise QAttnCacheError("CapturedDecodeStep needs QAttnCache(..., static_max_len=N): storage that "
                                   "never moves and a token count kept on the device")
@@ -103,9 +105,9 @@ class CapturedDecodeStep:
             raise ValueError(f"input_ids must have shape {tuple(self._ids.shape)} (batch, 1); "
                              f"got {tuple(input_ids.shape)}")
         layers = self.cache.layers
-        capacity = layers[0].storage().capacity
-        if layers[0].get_seq_length() + 1 > capacity:
-            raise QAttnCacheError(f"QAttnCache(static_max_len={capacity}) is full")
+        for layer in layers:  # a sliding-window layer's ring never fills
+            if not hasattr(layer, "held_positions") and layer.get_seq_length() + 1 > layer.storage().capacity:
+                raise QAttnCacheError(f"QAttnCache(static_max_len={layer.storage().capacity}) is full")
         if self._storage_ptrs() != self._storage:
             raise QAttnCacheError("the cache's storage moved (reorder/select of the batch): build a new "
                                   "CapturedDecodeStep")
