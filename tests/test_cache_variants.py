@@ -483,7 +483,7 @@ def test_captured_generate_over_window_layers(seed, kind, fresh_stats):
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2"])
-def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monkeypatch):
+def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monkeypatch, fresh_stats):
     """CapturedDecodeStep over a static cache with sliding-window layers (Mistral: all; gpt-oss with sinks, Gemma 2
     with soft-capping: every other): its steps (replayed on a GPU; elsewhere its eager warm-up steps, which run
     the step exactly as captured, slot and held count read from device memory) give the logits of the plain loop
@@ -511,6 +511,13 @@ def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monke
                     assert int(layer._device_slot) == layer.get_seq_length() % layer.span
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {i}")
+    # replayed on a GPU, but gpt-oss's MoE (transformers 5.17) copies to the host, which a capture cannot hold: its
+    # steps then run eagerly, counted, after the failed capture is undone (the logits above are right either way)
+    uncapturable = [r for r in hf_qattn.fallback_stats()["fallbacks"] if r.startswith("CapturedDecodeStep")]
+    if DEVICE == "cuda" and kind != "gpt_oss":
+        assert isinstance(step._graph, torch.cuda.CUDAGraph) and not uncapturable
+    if uncapturable:
+        assert step._graph is False
     _, chunked, _ = _tiny_pair("llama4")
     with torch.no_grad():
         filled = hf_qattn.QAttnCache(chunked, static_max_len=32)

@@ -28,6 +28,7 @@ import inspect
 
 import torch
 
+from ..stats import record_degraded
 from .attention import QAttnCacheError, _captured_step
 
 
@@ -87,6 +88,18 @@ class CapturedDecodeStep:
         self._graph = None
         self._logits = None
 
+    def _run_eagerly_after(self, error: RuntimeError, counts: list[int]) -> torch.Tensor:
+        """A capture failed: nothing captured ran, so the layers' host counts go back to ``counts`` (those the
+        step's appends advanced); this step and every later one run eagerly, counted and warned once."""
+        for layer, count in zip(self.cache.layers, counts):
+            if layer.get_seq_length() != count:
+                layer.advance_after_replay(count - layer.get_seq_length())
+        self._graph = False
+        reason = str(error).splitlines()[0][:160]
+        record_degraded(f"CapturedDecodeStep: the model's step cannot be captured in a CUDA graph ({reason})",
+                        "eager decode-step")
+        return self._forward()
+
     def _storage_ptrs(self) -> tuple:
         return tuple(layer.storage().kq.data_ptr() for layer in self.cache.layers)
 
@@ -122,11 +135,17 @@ class CapturedDecodeStep:
             if self._ids.device.type != "cuda":
                 raise QAttnCacheError(f"CUDA graphs need a CUDA device; the cache is on {self._ids.device}")
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._logits = self._forward()  # host state (the layers' lengths) advances here, once
+            counts = [layer.get_seq_length() for layer in layers]
+            try:
+                with torch.cuda.graph(graph):
+                    self._logits = self._forward()  # host state (the layers' lengths) advances here, once
+            except RuntimeError as error:  # the model's own step cannot be captured (a host copy in its MoE, say)
+                return self._run_eagerly_after(error, counts)
             graph.replay()
             self._graph = graph
             return self._logits
+        if self._graph is False:
+            return self._forward()
         self._graph.replay()
         for layer in layers:  # what the step's Python would have done
             layer.advance_after_replay(1)
