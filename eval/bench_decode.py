@@ -98,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps not timed")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--sliding-window", type=int, default=0,
+                   help="generate level: a Mistral-shaped model whose layers all have this sliding window")
     p.add_argument("--budget-gib", type=float, default=40.0, help="KV-cache memory budget for the longest context")
     p.add_argument("--tiny", action="store_true", help="small shapes and a tiny model (runs anywhere)")
     p.add_argument("--sweep", action="store_true", help="time decode launch configurations (see above)")
@@ -344,6 +346,10 @@ def build_model(args, device, dtype):
         config = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
                                 num_attention_heads=8,
                                 num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1 << 17)
+    elif args.sliding_window:  # Mistral-shaped: every layer a sliding window (a ring in QAttnCache)
+        config = tf.MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                                  max_position_embeddings=1 << 17, sliding_window=args.sliding_window)
     else:
         config = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
@@ -686,7 +692,9 @@ def main(argv=None) -> int:
                   f"{args.new_tokens} new tokens (median decode step after {args.warmup_steps} warm-up steps)", ""]
         lines += generate_table(grows, args) + [""]
     if crows:
-        lines += [f"## model.generate as users call it: Llama-3-8B-shaped, {args.layers} layers, random bf16 weights, "
+        shape = (f"Mistral-shaped (every layer a sliding window of {args.sliding_window})" if args.sliding_window
+                 else "Llama-3-8B-shaped")
+        lines += [f"## model.generate as users call it: {shape}, {args.layers} layers, random bf16 weights, "
                   f"batch 1, greedy, {args.new_tokens} new tokens", "",
                   "ms a token = (one call of N new tokens − one call of 1) / (N − 1), each the faster of two calls, "
                   "after a warm-up call; the cache "
