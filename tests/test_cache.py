@@ -435,6 +435,22 @@ def test_captured_decode_step_runs_the_step_it_captures(seed, monkeypatch):
         hf_qattn.CapturedDecodeStep(model, transformers.DynamicCache(config=model.config))
 
 
+def test_captured_step_refuses_a_step_past_the_static_storage(seed, monkeypatch):
+    """A full static cache (its every slot holds a token) refuses the next step, before anything is written."""
+    from hf_qattn.kv_cache import captured
+
+    monkeypatch.setattr(captured, "_capture_device_ok", lambda device: True)
+    model = _tiny_lm()
+    cache = hf_qattn.QAttnCache(model, static_max_len=16)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 15)), **{CACHE_KW: cache}, use_cache=True)
+    step = hf_qattn.CapturedDecodeStep(model, cache, warmup=4)
+    step(torch.randint(1, 128, (1, 1)))  # the 16th token: the last slot
+    with pytest.raises(qcache.QAttnCacheError, match="static_max_len=16.* is full"):
+        step(torch.randint(1, 128, (1, 1)))
+    assert cache.get_seq_length() == 16
+
+
 def test_captured_step_refuses_a_mask_it_cannot_replay(seed):
     """Inside CapturedDecodeStep a mask reading with key ranges (a padded batch) is refused, not replayed
     as the plain causal mask; outside it the reading passes through unchanged."""

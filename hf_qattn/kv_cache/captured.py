@@ -119,8 +119,8 @@ class CapturedDecodeStep:
                              f"got {tuple(input_ids.shape)}")
         layers = self.cache.layers
         for layer in layers:  # a sliding-window layer's ring never fills
-            if not hasattr(layer, "held_positions") and layer.get_seq_length() + 1 > layer.storage().capacity:
-                raise QAttnCacheError(f"QAttnCache(static_max_len={layer.storage().capacity}) is full")
+            if not hasattr(layer, "held_positions") and layer.get_seq_length() >= layer.get_max_length():
+                raise QAttnCacheError(f"QAttnCache(static_max_len={layer.get_max_length()}) is full")
         if self._storage_ptrs() != self._storage:
             raise QAttnCacheError("the cache's storage moved (reorder/select of the batch): build a new "
                                   "CapturedDecodeStep")
