@@ -1,0 +1,122 @@
+"""Study (CPU): what makes greedy continuations through the quantized cache part from the float32 cache's? (issue 23,
+item 4)
+
+    python eval/studies/cache_greedy_formats.py none:none bf16:bf16 tok8:fp8 tok8:none g8-64:fp8 g8-64:none
+
+Each argument is ``K_FORMAT:V_FORMAT``. Fake quantization, not the cache's code: a transformers attention function
+rounds the whole cached K and V (around centers fixed at the first fill, as the cache fixes them) by the named
+formats before SDPA — on decode calls only, so the prefill is exact and only the cache's formats differ from the
+float32 run. Greedy agreement as eval/cache_accuracy.py measures it (SmolLM2, 20 WikiText-2 test prompts of 64
+tokens, 256 greedy tokens each, against the float32-cache run). Formats:
+
+- ``none``: unrounded; ``bf16``: rounded to bfloat16 (the yardstick of an ordinary perturbation);
+- K ``tok8``: INT8 per token (±127 of the token's largest |K − k̄|): the shipped INT8 cache's K;
+- K ``g8-G``: 8-bit per channel over groups of G tokens (256 levels between the group's min and max; the newest
+  incomplete group unrounded), the INT4 cache's layout at 8 bits;
+- V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token.
+
+A row of the fake ``tok8:fp8`` reproduces the shipped INT8 cache's 5 of 20 (eval/results/cache-accuracy-*).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import transformers as tf
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+import cache_accuracy  # noqa: E402
+from wikitext import DATA, DEFAULT_MODEL, windows  # noqa: E402
+
+STATE = {"k": "none", "v": "none", "centers": {}}
+
+
+def _per_token(x, levels):
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / levels
+    return torch.round(x / scale).clamp(-levels, levels) * scale
+
+
+def _per_channel_groups(x, group, levels):
+    """Per channel over each whole group of ``group`` tokens, ``levels`` + 1 values from its min to its max."""
+    b, h, n, d = x.shape
+    whole = n // group * group
+    out = x.clone()
+    if whole:
+        g = x[:, :, :whole].reshape(b, h, whole // group, group, d)
+        low, high = g.amin(3, keepdim=True), g.amax(3, keepdim=True)
+        scale = (high - low).clamp_min(1e-8) / levels
+        out[:, :, :whole] = (torch.round((g - low) / scale).clamp(0, levels) * scale + low).reshape(b, h, whole, d)
+    return out
+
+
+def fake_k(kc, fmt):
+    if fmt == "none":
+        return kc
+    if fmt == "bf16":
+        return kc.bfloat16().float()
+    if fmt == "tok8":
+        return _per_token(kc, 127)
+    if fmt.startswith("g8-"):
+        return _per_channel_groups(kc, int(fmt[3:]), 255)
+    raise ValueError(f"K format {fmt!r}")
+
+
+def fake_v(vc, fmt):
+    if fmt == "none":
+        return vc
+    if fmt == "bf16":
+        return vc.bfloat16().float()
+    if fmt == "fp8":
+        scale = vc.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 448
+        return (vc / scale).to(torch.float8_e4m3fn).float() * scale
+    if fmt == "tok8":
+        return _per_token(vc, 127)
+    raise ValueError(f"V format {fmt!r}")
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    layer = module.layer_idx
+    if layer not in STATE["centers"]:  # the first fill (the prefill): exact, and it fixes the centers
+        STATE["centers"][layer] = (key.mean(2, keepdim=True), value.mean(2, keepdim=True))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    k_bar, v_bar = STATE["centers"][layer]
+    key = fake_k(key - k_bar, STATE["k"]) + k_bar
+    value = fake_v(value - v_bar, STATE["v"]) + v_bar
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def main():
+    tf.AttentionInterface.register("fake_quant_cache", attention)
+    AttentionMaskInterface.register("fake_quant_cache", sdpa_mask)
+    tokenizer = tf.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    model = tf.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    prompts = windows(tokenizer, os.path.join(DATA, "test.txt"), 20, 64)
+
+    def run(impl):
+        model.set_attn_implementation(impl)
+        outs = []
+        for prompt in prompts:
+            STATE["centers"] = {}
+            outs.append(cache_accuracy.greedy(model, prompt[None], lambda: tf.DynamicCache(config=model.config), 256))
+        return outs
+
+    reference = run("sdpa")
+    print("| K:V | identical continuations | tokens before the first difference: median | per prompt |\n"
+          "|---|---|---|---|", flush=True)
+    for spec in sys.argv[1:]:
+        STATE["k"], STATE["v"] = spec.split(":")
+        started = time.perf_counter()
+        got = run("fake_quant_cache")
+        first = [int((a != b).nonzero()[0]) if bool((a != b).any()) else 256 for a, b in zip(reference, got)]
+        print(f"| {spec} | {sum(f == 256 for f in first)} of 20 | {statistics.median(first)} | {first} |"
+              f" <!-- {time.perf_counter() - started:.0f} s -->", flush=True)
+
+
+if __name__ == "__main__":
+    main()
