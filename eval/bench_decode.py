@@ -704,7 +704,8 @@ def main(argv=None) -> int:
                   "`custom_generate=hf_qattn.captured_generate`.", ""]
         lines += generate_call_table(crows) + [""]
     text = "\n".join(lines)
-    path = report.write(report.result_path("decode-tiny" if args.tiny else "decode", args.out), text)
+    name = "decode-generate" if args.generate_calls_only and args.skip_kernel else "decode"  # its own results file
+    path = report.write(report.result_path(name + "-tiny" if args.tiny else name, args.out), text)
     log("")
     log(text)
     log(f"\nwritten: {path}")
