@@ -166,23 +166,24 @@ class FastLauncher:
         launch with that key specializes alike (tensors of the same dtypes and 16-byte alignment, ints of the same
         classes, the same ``kwargs``). A hit skips the key over every argument (at fifty arguments most of a
         decode step's launch time on the host) and calls the compiled kernel's launcher. ``keep``: the objects
-        whose ``id`` the key holds, kept alive with the entry so that no other object can take that id.
+        whose ``id`` the key holds, kept alive with the entry so that no other object can take that id. An entry
+        serves the device it was made on (a kernel is loaded per device); on another, the full path runs.
         ``HF_QATTN_FAST_LAUNCH=check`` takes the full path every time and raises if it found another kernel than
         the memo holds (the promise broken)."""
         entry = memo.get(memo_key)
         mode = _mode()
         runtime = triton.knobs.runtime
-        if (entry is None or mode != "1" or not _VERSION_OK or _hooked(runtime.launch_enter_hook)
-                or _hooked(runtime.launch_exit_hook)):
+        device = torch.cuda.current_device() if _VERSION_OK else None  # the kernel is loaded per device
+        if (entry is None or entry[3] != device or mode != "1" or not _VERSION_OK
+                or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
             kernel = self.launch(grid, args, kwargs)
-            if entry is not None and mode == "check" and entry[0] is not kernel:
+            if entry is not None and entry[3] == device and mode == "check" and entry[0] is not kernel:
                 raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: a memo key stood for two kernels")
             if entry is None and enabled(mode):
-                memo[memo_key] = (kernel, self._params_tail(args, kwargs), keep)
+                memo[memo_key] = (kernel, self._params_tail(args, kwargs), keep, device)
             return kernel
-        kernel, tail, _ = entry
+        kernel, tail = entry[:2]
         self.direct += 1
-        device = torch.cuda.current_device()
         g = tuple(grid) + (1,) * (3 - len(grid))
         kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *args, *tail)

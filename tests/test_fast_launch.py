@@ -129,12 +129,15 @@ def _memo_launcher(monkeypatch, kernels):
 
 def test_memo_launch_binds_once_and_runs_with_each_calls_arguments(monkeypatch):
     first = _Compiled("first")
-    launcher = _memo_launcher(monkeypatch, [first])
+    launcher = _memo_launcher(monkeypatch, [first, _Compiled("second")])
     memo = {}
     x, y = torch.zeros(4), torch.ones(4)
     assert launcher.launch_memo(memo, "key", (x,), (2,), (x, 5), {"BLOCK": 8}) is first  # a miss: Triton's launch
     assert list(memo) == ["key"] and memo["key"][2] == (x,)
     assert launcher.launch_memo(memo, "key", (x,), (2,), (y, 6), {"BLOCK": 8}) is first  # a hit: the direct run
+    assert first.runs == [(y, 6, 8)] and launcher.direct == 1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # another device: its own kernel, the full path
+    assert launcher.launch_memo(memo, "key", (x,), (2,), (y, 7), {"BLOCK": 8}).name == "second"
     assert first.runs == [(y, 6, 8)] and launcher.direct == 1
 
 
