@@ -155,11 +155,7 @@ class FastLauncher:
         kernel, specialization, tail = kernel
         if mode == "check" and self._specialization(device, args, kwargs) != specialization:
             raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: the key missed a specialization change")
-        self.direct += 1
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launch asks
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
-        return kernel
+        return self._run(kernel, tail, device, grid, args)
 
     def launch_memo(self, memo: dict, memo_key, keep: tuple, grid, args: tuple, kwargs: dict):
         """:meth:`launch`, remembered in the caller's ``memo`` under ``memo_key``: the caller's promise that every
@@ -182,7 +178,10 @@ class FastLauncher:
             if entry is None and enabled(mode):
                 memo[memo_key] = (kernel, self._params_tail(args, kwargs), keep, device)
             return kernel
-        kernel, tail = entry[:2]
+        return self._run(entry[0], entry[1], device, grid, args)
+
+    def _run(self, kernel, tail: tuple, device: int, grid, args: tuple):
+        """The direct launch: the compiled kernel's own launcher, on the current stream (what Triton's launch asks)."""
         self.direct += 1
         g = tuple(grid) + (1,) * (3 - len(grid))
         kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,

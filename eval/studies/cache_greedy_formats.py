@@ -55,29 +55,23 @@ def _per_channel_groups(x, group, levels):
     return out
 
 
-def fake_k(kc, fmt):
-    if fmt == "none":
-        return kc
-    if fmt == "bf16":
-        return kc.bfloat16().float()
-    if fmt == "tok8":
-        return _per_token(kc, 127)
+def _fp8_per_token(x):
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 448
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+# the formats by name (K: none, bf16, tok8, g8-G; V: none, bf16, fp8, tok8), on K − k̄ or V − v̄
+ROUNDINGS = {"none": lambda x: x, "bf16": lambda x: x.bfloat16().float(), "tok8": lambda x: _per_token(x, 127),
+             "fp8": _fp8_per_token}
+
+
+def rounded(x, fmt):
+    """``x`` (B, H, N, D) as the format ``fmt`` would store it."""
     if fmt.startswith("g8-"):
-        return _per_channel_groups(kc, int(fmt[3:]), 255)
-    raise ValueError(f"K format {fmt!r}")
-
-
-def fake_v(vc, fmt):
-    if fmt == "none":
-        return vc
-    if fmt == "bf16":
-        return vc.bfloat16().float()
-    if fmt == "fp8":
-        scale = vc.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 448
-        return (vc / scale).to(torch.float8_e4m3fn).float() * scale
-    if fmt == "tok8":
-        return _per_token(vc, 127)
-    raise ValueError(f"V format {fmt!r}")
+        return _per_channel_groups(x, int(fmt[3:]), 255)
+    if fmt not in ROUNDINGS:
+        raise ValueError(f"format {fmt!r}: one of {sorted(ROUNDINGS)} or g8-<group>")
+    return ROUNDINGS[fmt](x)
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
@@ -86,8 +80,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         STATE["centers"][layer] = (key.mean(2, keepdim=True), value.mean(2, keepdim=True))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     k_bar, v_bar = STATE["centers"][layer]
-    key = fake_k(key - k_bar, STATE["k"]) + k_bar
-    value = fake_v(value - v_bar, STATE["v"]) + v_bar
+    key = rounded(key - k_bar, STATE["k"]) + k_bar
+    value = rounded(value - v_bar, STATE["v"]) + v_bar
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

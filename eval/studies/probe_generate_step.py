@@ -35,20 +35,24 @@ def build():
     return model.eval()
 
 
-@torch.no_grad()
-def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
-
+def _use(model, mode: str):
+    """Set the model's attention for ``mode`` ("sdpa", "flash", "qattn"); returns the SDPA backend context to run in."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = contextlib.nullcontext()
-    if mode == "qattn":
-        model.set_attn_implementation("qattn")
-        cache = hf_qattn.QAttnCache(model, plan="int8")
-    else:
-        model.set_attn_implementation("sdpa")
-        cache = tf.DynamicCache(config=model.config)
-        if mode == "flash":
-            backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    model.set_attn_implementation("qattn" if mode == "qattn" else "sdpa")
+    if mode == "flash":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    return contextlib.nullcontext()
+
+
+def _new_cache(model, mode: str):
+    return hf_qattn.QAttnCache(model, plan="int8") if mode == "qattn" else tf.DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
+    backends = _use(model, mode)
+    cache = _new_cache(model, mode)
     with backends:
         ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
         out = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
@@ -110,19 +114,16 @@ def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
     ``rounds`` blocks each, no profiler (the profiler's hooks slow every launch after it): the host's speed
     drifts on a shared machine, so the two are compared block by block. Prints the median ms a step of each
     and of their per-round ratio."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     runs = {}
     for mode in ("flash", "qattn"):
-        model.set_attn_implementation("qattn" if mode == "qattn" else "sdpa")
-        cache = hf_qattn.QAttnCache(model, plan="int8") if mode == "qattn" else tf.DynamicCache(config=model.config)
-        ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
-        token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        cache = _new_cache(model, mode)
+        with _use(model, mode):
+            ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+            token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
         runs[mode] = [cache, token, []]
     for _ in range(rounds + 1):  # the first round warms up
         for mode, run in runs.items():
-            model.set_attn_implementation("qattn" if mode == "qattn" else "sdpa")
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if mode == "flash" else contextlib.nullcontext():
+            with _use(model, mode):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(steps):

@@ -367,7 +367,7 @@ class QAttnWindowLayer(QAttnLayer):
             # a decode step over static storage: the slot and the held count come from device memory and advance
             # there (a replayed CUDA graph writes the right slot); the host counts advance alike
             self._write(key_states, value_states, self._device_slot)
-            self._seen, self._length = self._seen + 1, min(self._seen + 1, self.span)
+            self.advance_after_replay(1)  # the host counts, as after a replay of this step
             self._device_length.add_(1).clamp_(max=self.span)
             self._device_slot.add_(1).remainder_(self.span)
             return
