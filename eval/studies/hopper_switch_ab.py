@@ -1,0 +1,87 @@
+"""Study: one setting of the Hopper kernel (a key of kernels.json's ``hopper`` entry) A/B, kernel alone (GPU).
+
+    bash eval/device_run.sh python3 eval/studies/hopper_switch_ab.py --set PINGPONG=1
+
+The Gluon kernel alone on one K/V pass's output, B4 H32 fp16, tuned settings (A) against the same with
+``--set`` applied (B), in alternating rounds in one process so that the host's and the clock's drift falls
+on both alike; median of ``triton.testing.do_bench`` a round (``timing.bench_ms``), the best round of
+each. TOPS = 4·B·H·N²·d / time (half for causal). Every shape first checks that A and B give the same
+output bit for bit where the setting only reorders work (``--same-output``), else their largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from hf_qattn.kernels import launch, tuning
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from timing import bench_ms  # noqa: E402
+
+_tuned = tuning.hopper_config
+
+
+def use(overrides: dict):
+    """Make every later launch read the tuned settings with ``overrides`` (the launch asks per call)."""
+    tuning.hopper_config = lambda head_dim: {**_tuned(head_dim), **overrides}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", required=True, help="KEY=JSON_VALUE[,KEY=JSON_VALUE]: setting B")
+    parser.add_argument("--shapes", default="128:0:2048,128:0:4096,128:0:16384,128:1:2048,128:1:4096,128:1:8192,"
+                                            "128:1:16384,64:0:4096,64:0:16384,64:1:4096,64:1:16384",
+                        help="head_dim:causal:N, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--same-output", action="store_true", help="require bit-identical outputs of A and B")
+    args = parser.parse_args()
+    overrides = {key: json.loads(value) for key, value in (item.split("=") for item in args.set.split(","))}
+    rows, failed = [], []
+    for shape in args.shapes.split(","):
+        d, causal, n = (int(x) for x in shape.split(":"))
+        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        config = _tuned(d)
+        kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
+                                smooth_v=True, kv_start=None, kv_end=None, block_n=config["BLOCK_N"],
+                                k_token_scale=False, v_channel_scale=True, permute_v=True,
+                                num_warps=config["KV_PASS_WARPS"])
+        outs = {"A": torch.empty_like(q), "B": torch.empty_like(q)}
+
+        def call(side):
+            use({} if side == "A" else overrides)
+            config_now = tuning.hopper_config(d)
+            return lambda: launch.hopper_kernel_launch(q, 32, n, kv, outs[side], is_causal=bool(causal),
+                                                       sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
+                                                       stages=config_now["STAGES"])
+
+        for side in "AB":
+            call(side)()
+        torch.cuda.synchronize()
+        diff = (outs["A"].float() - outs["B"].float()).abs().max().item()
+        if args.same_output and diff != 0:
+            failed.append(shape)
+        flops = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
+        best = {"A": float("inf"), "B": float("inf")}
+        for _ in range(args.rounds):
+            for side in "AB":
+                best[side] = min(best[side], bench_ms(call(side), warmup=25, rep=150))
+        rows.append((f"d{d} {'causal' if causal else 'full'} N{n}", flops / best["A"] / 1e9, flops / best["B"] / 1e9,
+                     diff))
+        print(rows[-1], flush=True)
+    use({})
+    print(f"\n| shape (TOPS, kernel only) | tuned | {args.set} | B / A | max |out A − out B| |")
+    print("|---|---|---|---|---|")
+    for name, a, b, diff in rows:
+        print(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.3f} | {diff:.3g} |")
+    if failed:
+        print("outputs differ:", ", ".join(failed))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
