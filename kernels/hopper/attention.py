@@ -58,7 +58,7 @@ def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, W
     q_coef, q_split, q_cap = quantize_q(prob, cfg, q_smem, shift_smem, b, h, bhq, bhk, prob.SPLIT_CHANNEL + bhk,
                                         row0, BM, qk_layout, o_layout)
     acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first,
-                           end - first, cta_row0, row0, BM, qk_layout, o_layout, WARPGROUP)
+                           end - first, cta_row0, row0, BM, qk_layout, o_layout)
     store_output(prob, cfg, acc, l_i, m_i, shift_smem, b, h, bhq, bhk, row0, BM, o_layout)
     return base + (end - first)
 
@@ -88,13 +88,12 @@ def attention_kernel(
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr, CONSUMERS: gl.constexpr,
     WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr, V_DITHER: gl.constexpr,
-    CAUSAL_SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
+    CAUSAL_SPLIT: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
     BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT,
-                 PINGPONG)
+                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                    NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)
@@ -121,10 +120,7 @@ def attention_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer warpgroup releases a stage
-    mma_turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(mma_turn.index(i), count=1)  # the warpgroup before it passed the turn on
-    ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty, mma_turn)
+    ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty)
 
     if CONSUMERS == 3:
         gl.warp_specialize([

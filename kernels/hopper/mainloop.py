@@ -191,29 +191,9 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _await_turn(cfg, ring, k, WARPGROUP: gl.constexpr):
-    """PINGPONG (FA3's warp scheduler barrier): wait until the warpgroup before this one (cyclically) issued the
-    MMAs of its k-th step, so the warpgroups' MMAs reach the tensor cores in turn and one's softmax runs under
-    another's MMAs. ``k`` counts the steps over the CTA's items (every warpgroup counts alike); the first
-    warpgroup's first step waits for nobody (parity 1 of a fresh barrier counts as completed)."""
-    if cfg.PINGPONG:
-        if WARPGROUP == 0:
-            mbarrier.wait(ring.turn.index(0), (k & 1) ^ 1)
-        else:
-            mbarrier.wait(ring.turn.index(WARPGROUP), k & 1)
-
-
-@gluon.jit
-def _pass_turn(cfg, ring, WARPGROUP: gl.constexpr):
-    """PINGPONG: this warpgroup's step has issued its MMAs; the next one's turn."""
-    if cfg.PINGPONG:
-        mbarrier.arrive(ring.turn.index((WARPGROUP + 1) % (cfg.BLOCK_M // 64)), count=1)
-
-
-@gluon.jit
 def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out, qk_zero, base,
            first, lo, hi, acc, p, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr, qk_layout: gl.constexpr,
-           o_layout: gl.constexpr, MASK: gl.constexpr, WARPGROUP: gl.constexpr):
+           o_layout: gl.constexpr, MASK: gl.constexpr):
     """The main loop's steps i in [lo, hi): S of tile i + 1 and P·V of tile i on the tensor cores, the softmax of
     tile i + 1 meanwhile; every PV_TILES tiles the accumulator is flushed first. Returns (acc, P, m, l)."""
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
@@ -233,10 +213,8 @@ def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_ca
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
         k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
         mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
-        _await_turn(cfg, ring, base + i, WARPGROUP)
         qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
-        _pass_turn(cfg, ring, WARPGROUP)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
         ds = ring.ds.index(s1).load(col)
         p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s1),
@@ -249,7 +227,7 @@ def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_ca
 
 @gluon.jit
 def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first, n, first_row, row0,
-           BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr, WARPGROUP: gl.constexpr):
+           BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """The main loop over the n key tiles [first, first + n): returns (O unnormalized, l, m). ``base`` counts
     the ring's tiles before this work item (the ring runs on across a persistent CTA's items): the item's
     i-th tile sits in stage (base + i) % STAGES. ``first`` is 0 unless WINDOW or CHUNK.
@@ -293,19 +271,17 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_b
             n_plain = gl.minimum(gl.maximum(first_row + (prob.NK - prob.NQ) + 1, 0) // BLOCK_N, n)
             acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in,
                                       cap_out, qk_zero, base, first, 0, n_plain - 1, acc, p, m_i, l_i, first_row, row0,
-                                      lo_last, BM, qk_layout, o_layout, False, WARPGROUP)
+                                      lo_last, BM, qk_layout, o_layout, False)
             acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in,
                                       cap_out, qk_zero, base, first, gl.maximum(n_plain - 1, 0), n - 1, acc, p, m_i,
-                                      l_i, first_row, row0, lo_last, BM, qk_layout, o_layout, True, WARPGROUP)
+                                      l_i, first_row, row0, lo_last, BM, qk_layout, o_layout, True)
         else:
             acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in,
                                       cap_out, qk_zero, base, first, 0, n - 1, acc, p, m_i, l_i, first_row, row0,
-                                      lo_last, BM, qk_layout, o_layout, MASKED, WARPGROUP)
+                                      lo_last, BM, qk_layout, o_layout, MASKED)
         s = (base + n - 1) % STAGES
         p8 = _p_operand(p, BM, BLOCK_N, p_layout)
-        _await_turn(cfg, ring, base + n - 1, WARPGROUP)  # the item's n-th step: its last P·V
         acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
-        _pass_turn(cfg, ring, WARPGROUP)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty.index(s), count=1)
         if n > PV_TILES + 1:  # a flush happened (at tile PV_TILES < n − 1)

@@ -28,13 +28,12 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
                  block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None,
-                 causal_split: bool = False, pingpong: bool | None = None):
+                 causal_split: bool = False):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
     override the tuned tile and padded head dim (to try configurations not shipped); ``stages``, ``pv_tiles`` and
     ``consumers`` default to the tuned ones (kernels.json, tuning.hopper_consumers); ``causal_split``: the causal
-    main loop split at the diagonal, as long causal calls run (tuning.hopper_causal_split); ``pingpong``: the
-    consumers' MMA turns (kernels.json's PINGPONG unless given)."""
+    main loop split at the diagonal, as long causal calls run (tuning.hopper_causal_split)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
@@ -46,7 +45,6 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
     stages = tuning.hopper_config(head_dim)["STAGES"] if stages is None else stages
-    pingpong = tuning.hopper_config(head_dim)["PINGPONG"] if pingpong is None else pingpong
     if consumers is None:
         consumers = tuning.hopper_consumers(head_dim, causal=causal, return_lse=return_lse, split=split,
                                             variant=window or chunk or sinks or softcap, persistent=persistent)
@@ -75,7 +73,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
                   "PV_TILES": pv_tiles, "CONSUMERS": consumers, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks,
-                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split, "PINGPONG": pingpong,
+                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split,
                   "V_DITHER": tuning.v_dither(softcap)}
     for name in constexprs:
         signature[name] = "constexpr"

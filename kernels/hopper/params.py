@@ -33,8 +33,7 @@ class Config:
     (their sizes are runtime values in Problem): WINDOW (sliding window), CHUNK (chunked attention), SINKS
     (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores).
     V_DITHER: V̂ was quantized with its tile dither (kernels/formats.py), whose log2 φ ΔS carries: l sums P / φ.
-    CAUSAL_SPLIT: causal, the main loop split at the diagonal (mainloop.attend). PINGPONG: the consumer
-    warpgroups take turns issuing their MMAs (mainloop._await_turn)."""
+    CAUSAL_SPLIT: causal, the main loop split at the diagonal (mainloop.attend)."""
     HEAD_DIM: gl.constexpr
     D_PAD: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -55,12 +54,11 @@ class Config:
     SOFTCAP: gl.constexpr
     V_DITHER: gl.constexpr
     CAUSAL_SPLIT: gl.constexpr
-    PINGPONG: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE,
                  P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER,
-                 CAUSAL_SPLIT, PINGPONG):
+                 CAUSAL_SPLIT):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.D_PAD = gl.constexpr(D_PAD)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -81,7 +79,6 @@ class Config:
         self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.V_DITHER = gl.constexpr(V_DITHER)
         self.CAUSAL_SPLIT = gl.constexpr(CAUSAL_SPLIT)
-        self.PINGPONG = gl.constexpr(PINGPONG)
 
 
 @aggregate
@@ -167,22 +164,19 @@ class Problem:
 @aggregate
 class Ring:
     """STAGES stages of K̂ (BLOCK_N, D_PAD) int8, V̂ᵀ (D_PAD, BLOCK_N) FP8, ΔS and kc (BLOCK_N) fp32; ``ready[s]``:
-    the loader's TMA delivered stage s, ``empty[s]``: every consumer warpgroup released it (loader.py).
-    ``turn[w]`` (PINGPONG): consumer warpgroup w may issue its next step's MMAs (mainloop._await_turn)."""
+    the loader's TMA delivered stage s, ``empty[s]``: every consumer warpgroup released it (loader.py)."""
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     ds: gl.shared_memory_descriptor
     kc: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
-    turn: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k, v, ds, kc, ready, empty, turn):
+    def __init__(self, k, v, ds, kc, ready, empty):
         self.k = k
         self.v = v
         self.ds = ds
         self.kc = kc
         self.ready = ready
         self.empty = empty
-        self.turn = turn
