@@ -199,7 +199,7 @@ def hopper_rows(dtype, dims, lengths, batch=4, heads=32):
                         rep=100),
                     "gluon-kernel": time_ms(lambda: launch.hopper_kernel_launch(
                         q, heads, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                        return_lse=False, stages=config["STAGES"])),
+                        return_lse=False)),
                     "prepass": time_ms(prepass),
                     "centers": time_ms(lambda: launch.smoothing_centers(q, k, v, True, True, True)),
                     **{f"prepass-w{w}": time_ms(lambda: prepass(w)) for w in (8, 16)},

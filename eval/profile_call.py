@@ -74,7 +74,9 @@ def stages_sweep(args):
                         cells.append(f"{graph_ms(lambda s=stages: launch.hopper_kernel_launch(q, 32, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk='int8', kv_end=None, return_lse=False, stages=s)) * 1e3:.1f}")  # noqa: E501
                     except Exception as error:  # noqa: BLE001  (a depth that does not fit shared memory)
                         cells.append(f"failed: {type(error).__name__}")
-                lines.append(f"| {d} | {n} | {causal} | " + " | ".join(cells) + f" | {config['STAGES']} |")
+                tuned = tuning.hopper_cta(d, causal=causal, keys=n, return_lse=False, split=False, variant=False,
+                                          persistent=False)[1]
+                lines.append(f"| {d} | {n} | {causal} | " + " | ".join(cells) + f" | {tuned} |")
                 print(lines[-1], flush=True)
                 del q, k, v, kv, out
     text = "\n".join(lines) + "\n"
@@ -145,7 +147,7 @@ def main():
 
         def kernel_alone(persistent):
             return launch.hopper_kernel_launch(q, h, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8",
-                                               kv_end=None, return_lse=False, stages=config["STAGES"],
+                                               kv_end=None, return_lse=False,
                                                persistent=persistent)
 
         def whole(persistent):
@@ -163,8 +165,7 @@ def main():
             "quantize_kv": lambda: launch.quantize_kv(q, k, v, **base),
             "smoothing_centers": lambda: launch.smoothing_centers(q, k, v, True, True, True),
             "hopper kernel launch": lambda: launch.hopper_kernel_launch(
-                q, h, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
-                stages=config["STAGES"]),
+                q, h, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False),
             "torch.empty": lambda: torch.empty(b * h * n, d, device="cuda", dtype=torch.int8),
             "validate+decide": lambda: (hf_qattn.api._validate(q, k, v, "HND", "int8", "fp8", "auto", None, None),
                                         hf_qattn.api._decide("cuda", 0, d, "auto", "int8", "fp8", None)),

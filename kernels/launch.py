@@ -238,18 +238,19 @@ def hopper_attention(
                      k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"],
                      split=split_channel, v_dither=tuning.v_dither(bool(softcap)))
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
-                                kv_end=kv_end, return_lse=return_lse, stages=stages or config["STAGES"],
+                                kv_end=kv_end, return_lse=return_lse, stages=stages,
                                 persistent=persistent, pv_tiles=pv_tiles, window=window, chunk=chunk, sinks=sinks,
                                 softcap=softcap)
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
-                         kv_end, return_lse: bool, stages: int, persistent: bool | None = None,
+                         kv_end, return_lse: bool, stages: int | None = None, persistent: bool | None = None,
                          pv_tiles: int | None = None, window: int = 0, chunk: int = 0,
                          sinks: torch.Tensor | None = None, softcap: float = 0.0, consumers: int | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself).
     window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics). ``stages``,
     ``persistent``, ``pv_tiles``, ``consumers``: the tuned configuration's unless given (to measure others)."""
+    from .hopper.attention import ONE_CONSUMER_MAXNREG
     from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
@@ -263,9 +264,10 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout)
     ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
-    consumers = consumers or tuning.hopper_consumers(d, causal=is_causal, return_lse=return_lse, split=kv.with_split,
-                                                     variant=bool(window or chunk or softcap or sinks is not None),
-                                                     persistent=persistent)
+    tuned_consumers, tuned_stages = tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse,
+                                                      split=kv.with_split, persistent=persistent,
+                                                      variant=bool(window or chunk or softcap or sinks is not None))
+    consumers, stages = consumers or tuned_consumers, stages or tuned_stages
     items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
     grid = min(items, tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
@@ -280,7 +282,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        num_warps=4,
+        num_warps=4, **tuning.register_cap(ONE_CONSUMER_MAXNREG if consumers == 1 else 0),
     )
     return lse
 

@@ -79,15 +79,27 @@ def hopper_config(head_dim: int) -> dict:
     return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
 
 
-def hopper_consumers(head_dim: int, *, causal: bool, return_lse: bool, split: bool, variant: bool,
-                     persistent: bool) -> int:
-    """Consumer warpgroups a CTA of the sm90 kernel has (64 query rows each): the head dim's CONSUMERS
-    (kernels.json) for the plain full-attention build, else 2. Three consumers leave each 160 registers a
-    thread; only that build fits them without local memory in its main loops (offline_build: causal, lse,
-    split, the variants and persistent CTAs spill), and at head dim 64 it runs 8–24 % faster from 2k keys
-    (eval/results/consumers-*.md)."""
+def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, split: bool, variant: bool,
+               persistent: bool) -> tuple[int, int]:
+    """(consumer warpgroups, ring stages) of a CTA of the sm90 kernel, 64 query rows a consumer.
+
+    One consumer where work items are short — causal calls (windows and chunks are causal) and full attention
+    over at most ONE_CONSUMER_FULL_UP_TO keys (kernels.json): the launch caps such a CTA's registers
+    (hopper/attention.py ONE_CONSUMER_MAXNREG) and it takes ONE_CONSUMER_STAGES stages, so two CTAs share an SM
+    and one's prologue, pipeline fill and epilogue run under the other's main loop: +9 to +28 % at 1k–16k
+    causal, windows 128–4096 and full attention up to 8k keys, −1 to −3 % on longer full attention
+    (eval/results/one-consumer-*.md). Not at head dim 256 (ONE_CONSUMER false: its 64×256 output needs 240
+    registers a thread, one consumer gets 232) nor with a persistent grid (one CTA an SM).
+
+    Otherwise the head dim's CONSUMERS for the plain full-attention build, else 2. Three consumers leave each
+    160 registers a thread; only that build fits them without local memory in its main loops (offline_build:
+    causal, lse, split, the variants and persistent CTAs spill), and at head dim 64 it runs 8–24 % faster from 2k
+    keys (eval/results/consumers-*.md)."""
+    config = hopper_config(head_dim)
+    if config["ONE_CONSUMER"] and not persistent and (causal or keys <= config["ONE_CONSUMER_FULL_UP_TO"]):
+        return 1, config["ONE_CONSUMER_STAGES"]
     plain = not (causal or return_lse or split or variant or persistent)
-    return hopper_config(head_dim)["CONSUMERS"] if plain else 2
+    return (config["CONSUMERS"] if plain else 2), config["STAGES"]
 
 
 def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys: int) -> bool:

@@ -34,26 +34,31 @@ def _int32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def _shipped(d, causal, lse, kv_range, dtype, split=False, causal_split=False):
+def _shipped(d, causal, lse, kv_range, dtype, split=False, keys=4096):
+    """The build a call over ``keys`` keys launches (tuning.hopper_cta, tuning.hopper_causal_split)."""
     persistent = tuning.hopper_config(d)["PERSISTENT"]
-    consumers = tuning.hopper_consumers(d, causal=causal, return_lse=lse, split=split, variant=False,
-                                        persistent=persistent)
-    return {"head_dim": d, "stages": tuning.hopper_config(d)["STAGES"], "causal": causal, "return_lse": lse,
-            "has_kv_range": kv_range, "dtype": dtype, "persistent": persistent, "consumers": consumers,
+    consumers, stages = tuning.hopper_cta(d, causal=causal, keys=keys, return_lse=lse, split=split, variant=False,
+                                          persistent=persistent)
+    causal_split = tuning.hopper_causal_split(d, causal=causal, variant_span=False, keys=keys)
+    return {"head_dim": d, "stages": stages, "causal": causal, "return_lse": lse, "has_kv_range": kv_range,
+            "dtype": dtype, "persistent": persistent, "consumers": consumers,
             **({"split": True} if split else {}), **({"causal_split": True} if causal_split else {})}
 
 
-# every configuration the dispatcher can launch: head dim (padded) × causal (its main loop split at the diagonal
-# or not: long and short calls) × lse × kv range, both dtypes (the consumer count the launch picks: three at d64
-# without causal / lse), and K's split channel, the heaviest
+# every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes, short and
+# long calls (one consumer warpgroup a CTA for causal and short calls; two, or three at d64, for long full
+# attention), and K's split channel, the heaviest
 SHIPPED = [
-    _shipped(d, causal, lse, kv_range, dtype, causal_split=causal_split)
+    _shipped(d, causal, lse, kv_range, dtype, keys=keys)
     for d in (64, 128)
-    for causal, lse, kv_range, dtype, causal_split in (
-        (False, False, False, "fp16", False), (True, True, True, "bf16", False), (True, False, False, "fp16", False),
-        (False, True, True, "fp16", False), (False, False, True, "bf16", False), (True, True, True, "bf16", True),
-        (True, False, False, "fp16", True))
-] + [_shipped(d, True, True, True, "bf16", split=True, causal_split=cs) for d in (64, 128) for cs in (False, True)]
+    for keys in (2048, 32768)
+    for causal, lse, kv_range, dtype in (
+        (False, False, False, "fp16"), (True, True, True, "bf16"), (True, False, False, "fp16"),
+        (False, True, True, "fp16"), (False, False, True, "bf16"))
+] + [_shipped(d, causal, True, True, "bf16", split=True, keys=keys) for d in (64, 128) for causal in (False, True)
+     for keys in (2048, 32768)]
+SHIPPED = [c for i, c in enumerate(SHIPPED) if c not in SHIPPED[:i]]  # causal builds are the same at both lengths
+
 
 _PROBE = """
 import json, sys
@@ -194,26 +199,34 @@ def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
 
 
-def test_three_consumers_only_for_the_build_that_fits_them():
-    """tuning.hopper_consumers: three warpgroups for d64 full attention alone; every switch that spilled with three
-    (offline_build) gives two, and so does every other head dim (d96 pads to 128)."""
+def test_cta_shape_by_call():
+    """tuning.hopper_cta: one consumer (two stages) for causal calls and full attention up to the head dim's
+    ONE_CONSUMER_FULL_UP_TO keys (8192 at d128, 4096 at d64), never at d256 nor persistent; beyond, three
+    warpgroups for d64 full attention alone, and every switch that spilled with three (offline_build) gives two,
+    as every other head dim does (d96 pads to 128)."""
     plain = dict(causal=False, return_lse=False, split=False, variant=False, persistent=False)
-    assert tuning.hopper_consumers(64, **plain) == 3
-    for d in (96, 128, 256):
-        assert tuning.hopper_consumers(d, **plain) == 2
-    for switch in plain:
-        assert tuning.hopper_consumers(64, **{**plain, switch: True}) == 2, switch
+    for d, up_to in ((64, 4096), (128, 8192), (96, 8192)):
+        assert tuning.hopper_cta(d, keys=up_to, **plain) == (1, 2)
+        assert tuning.hopper_cta(d, keys=131072, **{**plain, "causal": True}) == (1, 2)
+        assert tuning.hopper_cta(d, keys=1024, **{**plain, "persistent": True})[0] == 2
+    assert tuning.hopper_cta(64, keys=4097, **plain) == (3, 2)
+    assert tuning.hopper_cta(128, keys=8193, **plain) == (2, 3)
+    assert tuning.hopper_cta(256, keys=1024, **{**plain, "causal": True}) == (2, 2)
+    for switch in ("return_lse", "split", "variant", "persistent"):
+        assert tuning.hopper_cta(64, keys=8192, **{**plain, switch: True})[0] == 2, switch
 
 
 def test_causal_main_loop_split_from_the_head_dims_threshold():
-    """tuning.hopper_causal_split: causal calls from CAUSAL_SPLIT_FROM keys (4096 at d64, 8192 at d128), never for
-    full attention or a window / chunk (their tiles are masked at both ends)."""
-    for d, threshold in ((64, 4096), (128, 8192)):
+    """tuning.hopper_causal_split: causal calls from CAUSAL_SPLIT_FROM keys (0 at d64 / d128, whose causal calls run
+    one-consumer CTAs; 8192 at d256), never for full attention or a window / chunk (their tiles are masked at both
+    ends)."""
+    for d, threshold in ((64, 0), (128, 0), (256, 8192)):
         assert tuning.hopper_config(d)["CAUSAL_SPLIT_FROM"] == threshold
-        assert tuning.hopper_causal_split(d, causal=True, variant_span=False, keys=threshold)
-        assert not tuning.hopper_causal_split(d, causal=True, variant_span=False, keys=threshold - 1)
-        assert not tuning.hopper_causal_split(d, causal=False, variant_span=False, keys=4 * threshold)
-        assert not tuning.hopper_causal_split(d, causal=True, variant_span=True, keys=4 * threshold)
+        assert tuning.hopper_causal_split(d, causal=True, variant_span=False, keys=max(threshold, 1))
+        if threshold:
+            assert not tuning.hopper_causal_split(d, causal=True, variant_span=False, keys=threshold - 1)
+        assert not tuning.hopper_causal_split(d, causal=False, variant_span=False, keys=4 * threshold + 1)
+        assert not tuning.hopper_causal_split(d, causal=True, variant_span=True, keys=4 * threshold + 1)
 
 
 def test_sm90_without_gluon_runs_the_portable_kernel_counted_and_warned(monkeypatch):

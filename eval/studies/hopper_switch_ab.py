@@ -2,10 +2,14 @@
 
     bash eval/device_run.sh python3 eval/studies/hopper_switch_ab.py --set PINGPONG=1
 
-The Gluon kernel alone on one K/V pass's output, B4 H32 fp16, tuned settings (A) against the same with
+The Gluon kernel alone on one K/V pass's output, B4 H32 fp16 (``--batch``, ``--heads``; a sliding ``--window``
+and ``--sinks`` for every shape), tuned settings (A) against the same with
 ``--set`` applied (B), in alternating rounds in one process so that the host's and the clock's drift falls
-on both alike; median of ``triton.testing.do_bench`` a round (``timing.bench_ms``), the best round of
-each. TOPS = 4·B·H·N²·d / time (half for causal). Every shape first checks that A and B give the same
+on both alike (``CONSUMERS`` and ``STAGES`` in ``--set`` are forced on every build through the launch's arguments;
+A runs what tuning.hopper_cta picks);
+median of ``triton.testing.do_bench`` a round (``timing.bench_ms``), the best round of
+each. TOPS = 4·B·H·N²·d / time (half for causal; with a window,
+the keys each query sees: min(i + 1, W) for causal rows). Every shape first checks that A and B give the same
 output bit for bit where the setting only reorders work (``--same-output``), else their largest difference.
 """
 
@@ -38,26 +42,34 @@ def main():
                                             "128:1:16384,64:0:4096,64:0:16384,64:1:4096,64:1:16384",
                         help="head_dim:causal:N, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", default="32", help="query heads, or HQ/HK for grouped K/V heads")
+    parser.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
+    parser.add_argument("--sinks", action="store_true", help="a sink logit per query head (gpt-oss)")
     parser.add_argument("--same-output", action="store_true", help="require bit-identical outputs of A and B")
     args = parser.parse_args()
     overrides = {key: json.loads(value) for key, value in (item.split("=") for item in args.set.split(","))}
     rows, failed = [], []
     for shape in args.shapes.split(","):
         d, causal, n = (int(x) for x in shape.split(":"))
-        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        b, (hq, hk) = args.batch, (int(x) for x in (args.heads + "/" + args.heads).split("/")[:2])
+        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        sinks = torch.randn(hq, device="cuda") if args.sinks else None
         config = _tuned(d)
         kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
                                 smooth_v=True, kv_start=None, kv_end=None, block_n=config["BLOCK_N"],
                                 k_token_scale=False, v_channel_scale=True, permute_v=True,
-                                num_warps=config["KV_PASS_WARPS"])
+                                num_warps=config["KV_PASS_WARPS"], v_dither=tuning.v_dither(False))
         outs = {"A": torch.empty_like(q), "B": torch.empty_like(q)}
 
         def call(side):
             use({} if side == "A" else overrides)
-            config_now = tuning.hopper_config(d)
-            return lambda: launch.hopper_kernel_launch(q, 32, n, kv, outs[side], is_causal=bool(causal),
+            forced = {} if side == "A" else overrides  # the CTA shape, forced on every build (else tuning.hopper_cta)
+            return lambda: launch.hopper_kernel_launch(q, hk, n, kv, outs[side], is_causal=bool(causal),
                                                        sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
-                                                       stages=config_now["STAGES"])
+                                                       window=args.window, sinks=sinks,
+                                                       consumers=forced.get("CONSUMERS"), stages=forced.get("STAGES"))
 
         for side in "AB":
             call(side)()
@@ -65,7 +77,10 @@ def main():
         diff = (outs["A"].float() - outs["B"].float()).abs().max().item()
         if args.same_output and diff != 0:
             failed.append(shape)
-        flops = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
+        rows_keys = torch.arange(n, dtype=torch.float64) + 1 if causal else torch.full((n,), float(n), dtype=torch.float64)
+        if args.window:
+            rows_keys = rows_keys.clamp(max=args.window)
+        flops = 4 * b * hq * d * rows_keys.sum().item()
         best = {"A": float("inf"), "B": float("inf")}
         for _ in range(args.rounds):
             for side in "AB":

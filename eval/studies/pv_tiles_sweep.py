@@ -44,7 +44,7 @@ def main():
         for t in tiles:
             ms = bench_ms(lambda t=t: launch.hopper_kernel_launch(
                 q, 32, n, kv, out, is_causal=bool(causal), sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                return_lse=False, stages=config["STAGES"], pv_tiles=t), warmup=50, rep=300)
+                return_lse=False, pv_tiles=t), warmup=50, rep=300)
             cells.append(flops / ms / 1e9)
         rows.append((f"d{d} {'causal' if causal else 'full'} N{n}", cells))
         print(rows[-1], flush=True)

@@ -1,5 +1,5 @@
-"""The kernel: CTAs of CONSUMERS (2 or 3) consumer warpgroups of 64 query rows (``consumer``, FA3's "MMA +
-softmax" role) and one loader warp (``load_kv``), meeting on a ring of STAGES shared-memory stages. A work
+"""The kernel: CTAs of CONSUMERS (1, 2 or 3: tuning.hopper_cta) consumer warpgroups of 64 query rows
+(``consumer``, FA3's "MMA + softmax" role) and one loader warp (``load_kv``), meeting on a ring of STAGES shared-memory stages. A work
 item is 64·CONSUMERS query rows of one batch·query-head; the scheduler (``scheduler.py``) deals items to CTAs, one
 each, or, with PERSISTENT, many to each of one CTA per SM.
 
@@ -33,6 +33,11 @@ CONSUMER_REGISTERS_D256 = gl.constexpr(240)
 # (128 threads × (160 + 160 + 24 + 168) = 64K); 168 for the workers left the default 152, which spilled its loop
 CONSUMER_REGISTERS_3 = gl.constexpr(160)
 LOADER_REGISTERS = gl.constexpr(24)
+# one consumer (short work items: a few key tiles each, whose prologue and epilogue no other warpgroup's main loop
+# hides): the launch caps the CTA at this many registers a thread, 128 × 256 threads = half the SM's, so two
+# CTAs share an SM and one's prologue and epilogue run under the other's main loop; the consumer takes 232
+# (setmaxnreg), the loader's warpgroup 24
+ONE_CONSUMER_MAXNREG = 128
 
 
 @gluon.jit
@@ -129,6 +134,11 @@ def attention_kernel(
             (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 2)),
             (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
         ], [4, 4, 1], [CONSUMER_REGISTERS_3, CONSUMER_REGISTERS_3, LOADER_REGISTERS])
+    elif CONSUMERS == 1:
+        gl.warp_specialize([
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),
+            (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
+        ], [1], [LOADER_REGISTERS])
     else:
         gl.warp_specialize([
             (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),

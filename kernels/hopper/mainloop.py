@@ -1,4 +1,4 @@
-"""The consumers: CONSUMERS warpgroups (2 or 3), 64 query rows each, that turn K̂/V̂ᵀ tiles into an output.
+"""The consumers: CONSUMERS warpgroups (1, 2 or 3), 64 query rows each, that turn K̂/V̂ᵀ tiles into an output.
 
 Prologue (``quantize_q``): the warpgroup loads its Q rows in the model's dtype (any layout, by
 strides), subtracts q̄ and quantizes each row to INT8 (±127, or ±7 for qattn-4b) with its own
@@ -233,8 +233,8 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_b
     i-th tile sits in stage (base + i) % STAGES. ``first`` is 0 unless WINDOW or CHUNK.
 
     CAUSAL_SPLIT (causal, no window or chunk): two loops, the tiles left of the CTA's first row's diagonal
-    without the mask's code, then the few that cross it: +2–10 % from 8k keys, but −3 to −11 % at 1k–2k, where
-    an item has few tiles (eval/results/causal-split-*.md); the launch picks it by key count (kernels.json).
+    without the mask's code, then the few that cross it (eval/results/causal-split-*.md, one-consumer-*.md); the
+    launch picks it by key count and head dim (kernels.json CAUSAL_SPLIT_FROM).
     """
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     STAGES: gl.constexpr = cfg.STAGES

@@ -28,12 +28,13 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
                  block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None,
-                 causal_split: bool = False):
+                 causal_split: bool | None = None, keys: int = 4096):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
     override the tuned tile and padded head dim (to try configurations not shipped); ``stages``, ``pv_tiles`` and
-    ``consumers`` default to the tuned ones (kernels.json, tuning.hopper_consumers); ``causal_split``: the causal
-    main loop split at the diagonal, as long causal calls run (tuning.hopper_causal_split)."""
+    ``consumers`` default to the tuned ones for a call over ``keys`` keys (kernels.json, tuning.hopper_cta);
+    ``causal_split``: the causal main loop split at the diagonal (as tuning.hopper_causal_split picks unless
+    given)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel
@@ -44,10 +45,13 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
-    stages = tuning.hopper_config(head_dim)["STAGES"] if stages is None else stages
-    if consumers is None:
-        consumers = tuning.hopper_consumers(head_dim, causal=causal, return_lse=return_lse, split=split,
-                                            variant=window or chunk or sinks or softcap, persistent=persistent)
+    tuned_consumers, tuned_stages = tuning.hopper_cta(head_dim, causal=causal, keys=keys, return_lse=return_lse,
+                                                      split=split, variant=window or chunk or sinks or softcap,
+                                                      persistent=persistent)
+    consumers = tuned_consumers if consumers is None else consumers
+    if causal_split is None:
+        causal_split = tuning.hopper_causal_split(head_dim, causal=causal, variant_span=window or chunk, keys=keys)
+    stages = tuned_stages if stages is None else stages
 
     def descriptor(type_name, gl_type, shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
@@ -79,7 +83,10 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    from .attention import ONE_CONSUMER_MAXNREG
+
+    options = {"num_warps": 4, **({"maxnreg": ONE_CONSUMER_MAXNREG} if consumers == 1 else {})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def resources(kernel) -> dict:
