@@ -31,9 +31,11 @@ Methods (each built once outside the timing, as a user's model would: masks and 
     SDPA takes neither sinks nor soft-caps) with the additive mask transformers builds (the full score matrix:
     at 8k, 64 heads, gigabytes — a method out of memory says so in its cell).
 Time: the median of ``triton.testing.do_bench`` (eval/timing.py ``bench_ms``); ratios are the baseline's ms over
-qattn's (> 1: qattn faster). Each method's output is also compared (cos) with float32 attention of the same
-layer (eval/check_variants.py's ``variant_reference``), so a speed never hides a wrong answer. A method that
-fails (Flex cannot compile a shape, out of memory) gets a note in its cell and the run goes on.
+qattn's (> 1: qattn faster). qattn and Flex are also timed from a CUDA graph of 10 calls (``graph_ms``: GPU time
+alone, the columns ``GPU ms`` and ``qattn × flex GPU``), since an eager call of a few hundred µs is host-bound.
+Each method's output is also compared (cos) with float32 attention of the same layer
+(eval/check_variants.py's ``variant_reference``), so a speed never hides a wrong answer. A method that fails
+(Flex cannot compile a shape, out of memory) gets a note in its cell and the run goes on.
 Writes ``bench-variants-<device>-<date>.md`` (``--out``: a folder or a .md file; default eval/results/).
 """
 
@@ -52,7 +54,7 @@ import hf_qattn
 
 import report  # eval/report.py
 from check_variants import device_outlier_qkv, sinks_for, variant_reference  # eval/check_variants.py
-from timing import bench_ms, events_ms  # eval/timing.py
+from timing import bench_ms, events_ms, graph_ms  # eval/timing.py
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -252,6 +254,11 @@ def run_case(key, *, device, flex_mode, tiny, seed):
             del out
             ms[method] = time_ms(fn, device)
             row[f"{method} ms"] = ms[method]
+            if device == "cuda" and method in GRAPHED:
+                try:  # GPU time alone: an eager call of a few hundred µs is bound by the host's Python and launches
+                    row[f"{method} GPU ms"] = graph_ms(fn, calls=10, replays=5)
+                except Exception as error:  # noqa: BLE001  (a method that cannot be captured says so in its cell)
+                    row[f"{method} GPU ms"] = short(error)
             cos = f", cos {fmt(row[f'{method} cos'])}" if f"{method} cos" in row else ""
             log(f"    {method}: {ms[method]:.3f} ms{cos}, first call {first_s:.1f} s")
         except Exception as error:  # one baseline failing must not stop the others
@@ -265,6 +272,8 @@ def run_case(key, *, device, flex_mode, tiny, seed):
     for method in methods[1:]:
         if "qattn" in ms and method in ms:
             row[f"qattn × {method}"] = ms[method] / ms["qattn"]
+        if isinstance(row.get("qattn GPU ms"), float) and isinstance(row.get(f"{method} GPU ms"), float):
+            row[f"qattn × {method} GPU"] = row[f"{method} GPU ms"] / row["qattn GPU ms"]
     verdicts = []
     for method, minimum in targets:
         got = row.get(f"qattn × {method}")
@@ -283,7 +292,9 @@ def fmt(value):
 
 
 METHODS = ("qattn", "flex", "sdpa-mask", "sdpa-causal", "eager")
+GRAPHED = ("qattn", "flex")  # also timed from a CUDA graph (GPU time alone)
 COLUMNS = (["layer", "qattn path"] + [f"{m} ms" for m in METHODS] + [f"qattn × {m}" for m in METHODS[1:]]
+           + [f"{m} GPU ms" for m in GRAPHED] + ["qattn × flex GPU"]
            + [f"{m} cos" for m in METHODS if m != "sdpa-causal"] + ["targets"])
 
 
