@@ -424,8 +424,14 @@ def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
     decode_stats = hf_qattn.fallback_stats()
     print(kind, "prefill:", prefill, "decode:", decode_stats, "cosines:", [round(c, 5) for c in cosines])
     # Gemma 2: the prefill alone (no cache yet) measured cos 0.9981-0.9996 to eager over seeds, the qattn prefill's
-    # quantization through its post-attention norms (tests/test_model_variants.py measured the same)
-    assert min(cosines) >= (0.997 if kind == "gemma2" else 0.999), cosines
+    # quantization through its post-attention norms (tests/test_model_variants.py measured the same).
+    # Llama 4: a query in the first three positions of a chunk (steps at positions 24-26) sees 1-3 keys in its
+    # chunked layers, whose output is then those few V rows as FP8 stored them (3 mantissa bits, nothing averages
+    # the rounding): over 13 seeds the lowest there was 0.9989 (position 25), at the other positions 0.99926
+    positions = range(19, 30)  # the prefill's last token, then each decode step's
+    bounds = [0.997 if kind == "gemma2" else 0.998 if kind == "llama4" and p % WINDOW < 3 else 0.999
+              for p in positions]
+    assert all(c >= bound for c, bound in zip(cosines, bounds)), cosines
     assert cache.get_seq_length() == 30
     if _integration_passes_variants():  # every decode call read the quantized cache, none fell back
         assert decode_stats["fallbacks"] == {}, decode_stats

@@ -13,7 +13,8 @@ tokens, 256 greedy tokens each, against the float32-cache run). Formats:
 - K ``tok8``: INT8 per token (±127 of the token's largest |K − k̄|): the shipped INT8 cache's K;
 - K ``g8-G``: 8-bit per channel over groups of G tokens (256 levels between the group's min and max; the newest
   incomplete group unrounded), the INT4 cache's layout at 8 bits;
-- V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token.
+- V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token;
+- either, with ``+rG`` (e.g. ``tok8+r64``): the newest tokens from the last whole group of G on unrounded.
 
 A row of the fake ``tok8:fp8`` reproduces the shipped INT8 cache's 5 of 20 (eval/results/cache-accuracy-*).
 """
@@ -66,7 +67,12 @@ ROUNDINGS = {"none": lambda x: x, "bf16": lambda x: x.bfloat16().float(), "tok8"
 
 
 def rounded(x, fmt):
-    """``x`` (B, H, N, D) as the format ``fmt`` would store it."""
+    """``x`` (B, H, N, D) as the format ``fmt`` would store it; ``FORMAT+rG``: the newest tokens from the last whole
+    group of G on (fewer than G) kept unrounded, as a cache that holds its open group in full precision."""
+    if "+r" in fmt:
+        fmt, group = fmt.split("+r")
+        whole = x.shape[2] // int(group) * int(group)
+        return torch.cat([rounded(x[:, :, :whole], fmt), x[:, :, whole:]], dim=2)
     if fmt.startswith("g8-"):
         return _per_channel_groups(x, int(fmt[3:]), 255)
     if fmt not in ROUNDINGS:
