@@ -250,8 +250,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself).
     window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics). ``stages``,
     ``persistent``, ``pv_tiles``, ``consumers``: the tuned configuration's unless given (to measure others)."""
-    from .hopper.attention import ONE_CONSUMER_MAXNREG
-    from .hopper.attention import attention_kernel as hopper_kernel
+    from .hopper.attention import attention_kernel as hopper_kernel, register_cap
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
@@ -264,10 +263,10 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout)
     ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
-    tuned_consumers, tuned_stages = tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse,
-                                                      split=kv.with_split, persistent=persistent,
-                                                      variant=bool(window or chunk or softcap or sinks is not None))
-    consumers, stages = consumers or tuned_consumers, stages or tuned_stages
+    consumers = consumers or tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse,
+                                               split=kv.with_split, persistent=persistent,
+                                               variant=bool(window or chunk or softcap or sinks is not None))[0]
+    stages = stages or tuning.hopper_stages(d, consumers)
     items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
     grid = min(items, tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
@@ -282,7 +281,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        num_warps=4, **tuning.register_cap(ONE_CONSUMER_MAXNREG if consumers == 1 else 0),
+        num_warps=4, **tuning.register_cap(register_cap(consumers)),
     )
     return lse
 

@@ -97,9 +97,18 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
     keys (eval/results/consumers-*.md)."""
     config = hopper_config(head_dim)
     if config["ONE_CONSUMER"] and not persistent and (causal or keys <= config["ONE_CONSUMER_FULL_UP_TO"]):
-        return 1, config["ONE_CONSUMER_STAGES"]
-    plain = not (causal or return_lse or split or variant or persistent)
-    return (config["CONSUMERS"] if plain else 2), config["STAGES"]
+        consumers = 1
+    else:
+        plain = not (causal or return_lse or split or variant or persistent)
+        consumers = config["CONSUMERS"] if plain else 2
+    return consumers, hopper_stages(head_dim, consumers)
+
+
+def hopper_stages(head_dim: int, consumers: int) -> int:
+    """Ring stages of a CTA of ``consumers`` warpgroups: ONE_CONSUMER_STAGES for one (two such CTAs must fit an SM's
+    shared memory: 2 stages at d128, 108 KB), else the head dim's STAGES (kernels.json)."""
+    config = hopper_config(head_dim)
+    return config["ONE_CONSUMER_STAGES"] if consumers == 1 else config["STAGES"]
 
 
 def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys: int) -> bool:

@@ -1,7 +1,7 @@
 """The kernel: CTAs of CONSUMERS (1, 2 or 3: tuning.hopper_cta) consumer warpgroups of 64 query rows
-(``consumer``, FA3's "MMA + softmax" role) and one loader warp (``load_kv``), meeting on a ring of STAGES shared-memory stages. A work
-item is 64·CONSUMERS query rows of one batch·query-head; the scheduler (``scheduler.py``) deals items to CTAs, one
-each, or, with PERSISTENT, many to each of one CTA per SM.
+(``consumer``, FA3's "MMA + softmax" role) and one loader warp (``load_kv``), meeting on a ring of STAGES
+shared-memory stages. A work item is 64·CONSUMERS query rows of one batch·query-head; the scheduler
+(``scheduler.py``) deals items to CTAs, one each, or, with PERSISTENT, many to each of one CTA per SM.
 
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
 (``kernels/quantize.py``), in buffers padded to whole key tiles (BLOCK_N: 128, or 64 at head dim 256) and
@@ -38,6 +38,11 @@ LOADER_REGISTERS = gl.constexpr(24)
 # CTAs share an SM and one's prologue and epilogue run under the other's main loop; the consumer takes 232
 # (setmaxnreg), the loader's warpgroup 24
 ONE_CONSUMER_MAXNREG = 128
+
+
+def register_cap(consumers: int) -> int:
+    """The launch's cap on registers a thread for a CTA of ``consumers`` warpgroups (0: none, the whole SM's)."""
+    return ONE_CONSUMER_MAXNREG if consumers == 1 else 0
 
 
 @gluon.jit

@@ -37,7 +37,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     given)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .attention import attention_kernel
+    from .attention import attention_kernel, register_cap
     from .gluon_api import gl
 
     from .. import tuning
@@ -45,13 +45,12 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
-    tuned_consumers, tuned_stages = tuning.hopper_cta(head_dim, causal=causal, keys=keys, return_lse=return_lse,
-                                                      split=split, variant=window or chunk or sinks or softcap,
-                                                      persistent=persistent)
-    consumers = tuned_consumers if consumers is None else consumers
+    if consumers is None:
+        consumers = tuning.hopper_cta(head_dim, causal=causal, keys=keys, return_lse=return_lse, split=split,
+                                      variant=window or chunk or sinks or softcap, persistent=persistent)[0]
+    stages = tuning.hopper_stages(head_dim, consumers) if stages is None else stages
     if causal_split is None:
         causal_split = tuning.hopper_causal_split(head_dim, causal=causal, variant_span=window or chunk, keys=keys)
-    stages = tuned_stages if stages is None else stages
 
     def descriptor(type_name, gl_type, shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gl_type)
@@ -83,9 +82,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    from .attention import ONE_CONSUMER_MAXNREG
-
-    options = {"num_warps": 4, **({"maxnreg": ONE_CONSUMER_MAXNREG} if consumers == 1 else {})}
+    options = {"num_warps": 4, **({"maxnreg": register_cap(consumers)} if register_cap(consumers) else {})}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
