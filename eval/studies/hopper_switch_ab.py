@@ -1,16 +1,15 @@
 """Study: one setting of the Hopper kernel (a key of kernels.json's ``hopper`` entry) A/B, kernel alone (GPU).
 
-    bash eval/device_run.sh python3 eval/studies/hopper_switch_ab.py --set PINGPONG=1
+    bash eval/device_run.sh python3 eval/studies/hopper_switch_ab.py --set CONSUMERS=1 --same-output
 
 The Gluon kernel alone on one K/V pass's output, B4 H32 fp16 (``--batch``, ``--heads``; a sliding ``--window``
-and ``--sinks`` for every shape), tuned settings (A) against the same with
-``--set`` applied (B), in alternating rounds in one process so that the host's and the clock's drift falls
-on both alike (``CONSUMERS`` and ``STAGES`` in ``--set`` are forced on every build through the launch's arguments;
-A runs what tuning.hopper_cta picks);
-median of ``triton.testing.do_bench`` a round (``timing.bench_ms``), the best round of
-each. TOPS = 4·B·H·N²·d / time (half for causal; with a window,
-the keys each query sees: min(i + 1, W) for causal rows). Every shape first checks that A and B give the same
-output bit for bit where the setting only reorders work (``--same-output``), else their largest difference.
+and ``--sinks`` for every shape): the tuned settings (A) against the same with ``--set`` applied (B), in
+alternating rounds in one process so that the host's and the clock's drift falls on both alike. ``CONSUMERS``
+and ``STAGES`` in ``--set`` are forced on every build through the launch's arguments (A runs what
+tuning.hopper_cta picks); other keys replace kernels.json's. The best round's median of
+``triton.testing.do_bench`` (``timing.bench_ms``) each; TOPS = 4·B·H·d·(keys each query sees: N, or i + 1 for
+causal row i, at most the window) / time. Every shape first compares A's and B's outputs: ``--same-output``
+requires them bit for bit (a setting that only reorders work), else their largest difference is shown.
 """
 
 from __future__ import annotations
@@ -77,10 +76,10 @@ def main():
         diff = (outs["A"].float() - outs["B"].float()).abs().max().item()
         if args.same_output and diff != 0:
             failed.append(shape)
-        rows_keys = torch.arange(n, dtype=torch.float64) + 1 if causal else torch.full((n,), float(n), dtype=torch.float64)
+        keys_seen = torch.arange(1, n + 1, dtype=torch.float64) if causal else torch.full((n,), float(n))
         if args.window:
-            rows_keys = rows_keys.clamp(max=args.window)
-        flops = 4 * b * hq * d * rows_keys.sum().item()
+            keys_seen = keys_seen.clamp(max=args.window)
+        flops = 4 * b * hq * d * keys_seen.double().sum().item()
         best = {"A": float("inf"), "B": float("inf")}
         for _ in range(args.rounds):
             for side in "AB":
