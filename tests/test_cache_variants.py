@@ -465,10 +465,9 @@ def test_several_token_steps_over_a_filled_window_cache(seed, kind):
 
 @pytest.mark.parametrize("kind", ["mistral", "llama4"])
 def test_captured_generate_over_window_layers(seed, kind, fresh_stats):
-    """captured_generate gives sliding-window layers static storage (the ring, its count and slot on the device)
-    and replays their steps: the tokens of transformers' own loop, nothing counted. Chunked layers (Llama 4) cannot
-    be static: it says so (counted, warned once) and runs transformers' loop over the same quantized cache, which
-    gives the same tokens."""
+    """captured_generate gives sliding-window and chunked layers static storage (the ring, its read count and next
+    slot on the device) and replays their steps: the tokens of transformers' own loop, nothing counted. The prompt
+    (12) and the 6 new tokens cross the window / chunks of 8."""
     _, model, _ = _tiny_pair(kind)
     ids = torch.randint(1, 128, (1, 12), device=DEVICE)
     keyword = cache_argument(model)
@@ -476,24 +475,20 @@ def test_captured_generate_over_window_layers(seed, kind, fresh_stats):
                            **{keyword: hf_qattn.QAttnCache(model)})
     fresh_stats()
     cache = hf_qattn.QAttnCache(model)
-    if kind == "mistral":
-        captured = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
-                                  custom_generate=hf_qattn.captured_generate, **{keyword: cache})
-        assert not any(reason.startswith("captured_generate") for reason in fresh_stats()["fallbacks"])
-        assert all(layer.storage().device_length is not None for layer in cache.layers)
-    else:
-        with pytest.warns(RuntimeWarning, match="static storage"):
-            captured = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
-                                      custom_generate=hf_qattn.captured_generate, **{keyword: cache})
+    captured = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                              custom_generate=hf_qattn.captured_generate, **{keyword: cache})
+    assert not any(reason.startswith("captured_generate") for reason in fresh_stats()["fallbacks"])
+    assert all(layer.storage().device_length is not None for layer in cache.layers)
     assert torch.equal(plain, captured)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2"])
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2", "llama4"])
 def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monkeypatch, fresh_stats):
     """CapturedDecodeStep over a static cache with sliding-window layers (Mistral: all; gpt-oss with sinks, Gemma 2
-    with soft-capping: every other): its steps (replayed on a GPU; elsewhere its eager warm-up steps, which run
-    the step exactly as captured, slot and held count read from device memory) give the logits of the plain loop
-    over a dynamic cache, as the rings wrap; the device counts follow the host's; a chunked layer is refused."""
+    with soft-capping: every other) or chunked ones (Llama 4: three of four): its steps (replayed on a GPU;
+    elsewhere its eager warm-up steps, which run the step exactly as captured, slot and read count from device
+    memory) give the logits of the plain loop over a dynamic cache, as the rings wrap and chunks start over; the
+    device counts follow the host's (a window: every held slot; a chunk: its tokens so far)."""
     from hf_qattn.kv_cache import captured
 
     _, model, _ = _tiny_pair(kind)
@@ -512,9 +507,12 @@ def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monke
             got.append(step(steps[:, i:i + 1])[:, -1].clone())
             for layer in static.layers:
                 if isinstance(layer, qcache.QAttnWindowLayer):
-                    store = layer.storage()
-                    assert int(store.device_length) == store.length == min(layer.get_seq_length(), layer.span)
-                    assert int(layer._device_slot) == layer.get_seq_length() % layer.span
+                    store, seen = layer.storage(), layer.get_seq_length()
+                    assert store.length == min(seen, layer.span)
+                    in_chunk = (seen - 1) % layer.span + 1
+                    assert int(store.device_length) == (store.length if layer.kind == "sliding_attention"
+                                                        else in_chunk)
+                    assert int(layer._device_slot) == seen % layer.span
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {i}")
     # replayed on a GPU, but gpt-oss's MoE (transformers 5.17) copies to the host, which a capture cannot hold: its
@@ -524,12 +522,6 @@ def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monke
         assert isinstance(step._graph, torch.cuda.CUDAGraph) and not uncapturable
     if uncapturable:
         assert step._graph is False
-    _, chunked, _ = _tiny_pair("llama4")
-    with torch.no_grad():
-        filled = hf_qattn.QAttnCache(chunked, static_max_len=32)
-        chunked(ids, use_cache=True, **{keyword: filled})
-    with pytest.raises(qcache.QAttnCacheError, match="chunked_attention"):
-        hf_qattn.CapturedDecodeStep(chunked, filled)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "llama4"])

@@ -81,20 +81,35 @@ _captured_step: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_qattn_
 
 def step_pattern(query: torch.Tensor, key: "PackedKV", read_mask):
     """(pattern, reason) of an attention call on a packed cache layer: ``read_mask()`` (the integration's
-    reading of the call's mask) outside CapturedDecodeStep. Inside it, the plain causal pattern over all
-    cached tokens: while capturing taken as is (reading the mask then would be a host sync), in the
-    eager warm-up steps checked against ``read_mask()`` — a mask with key ranges (padding) raises."""
+    reading of the call's mask) outside CapturedDecodeStep. Inside it, the pattern of an unpadded step
+    (:func:`_replayed_pattern`): while capturing taken as is (reading the mask then would be a host sync), in the
+    eager warm-up steps checked against ``read_mask()`` — a mask with other key ranges (padding) raises."""
     if not _captured_step.get():
         return read_mask()
+    replayed = _replayed_pattern(query, key)
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        from ..masks import MaskPattern
-
-        return MaskPattern(query.shape[2] > 1, key.shape[2]), None
+        return replayed, None
     pattern, reason = read_mask()
-    if reason is not None or pattern.kv_start is not None or pattern.kv_end is not None or pattern.kv_len != key.shape[2]:
-        raise QAttnCacheError(f"CapturedDecodeStep: the step's attention mask is not the plain causal mask over all "
-                              f"{key.shape[2]} cached tokens ({reason or pattern}); padded batches cannot be replayed")
-    return pattern, reason
+    layer, kv_len = key.layer, key.shape[2]
+    first = 0  # the first key the unpadded step's mask shows: a chunked layer's newest chunk starts later
+    if getattr(layer, "kind", None) == "chunked_attention":
+        first = kv_len - min(layer.device_count(), kv_len)
+    starts = None if reason is not None or pattern.kv_start is None else set(pattern.kv_start.tolist())
+    if (reason is not None or pattern.kv_end is not None or pattern.kv_len != kv_len
+            or starts not in (None, {first}) or (starts is None and first)):
+        raise QAttnCacheError(f"CapturedDecodeStep: the step's attention mask is not the one of an unpadded step "
+                              f"over {kv_len} cached tokens ({reason or pattern}); padded batches cannot be replayed")
+    return replayed, None
+
+
+def _replayed_pattern(query: torch.Tensor, key: "PackedKV"):
+    """The pattern a CapturedDecodeStep's step reads with: causal over all cached tokens; for a chunked layer, its
+    chunk (the newest, :func:`_device_read`: slots [0, the device count))."""
+    from ..masks import MaskPattern
+
+    layer = key.layer
+    chunk = layer.span if getattr(layer, "kind", None) == "chunked_attention" else None
+    return MaskPattern(query.shape[2] > 1, key.shape[2], chunk=chunk)
 
 
 def is_packed(t) -> bool:
@@ -150,11 +165,16 @@ def _ring_read(layer, batch: int, pattern, window, chunk):
             torch.full((batch,), hi - lo if wraps else begin + hi - lo, dtype=torch.int32), wraps)
 
 
-def _whole_ring(layer, pattern, window, chunk) -> bool:
-    """Whether a one-token step reads every slot a sliding-window layer holds: no key ranges (padding), and the
-    call's window the layer's (or none) — what :func:`_ring_read` finds there, without reading the host's counts."""
-    return (layer.kind == "sliding_attention" and pattern.kv_start is None and pattern.kv_end is None
-            and chunk is None and window in (None, layer.span))
+def _device_read(layer, pattern, window, chunk) -> bool:
+    """Whether a one-token step over a window layer's static storage reads the slots [0, device count)
+    (:meth:`~hf_qattn.kv_cache.cache.QAttnWindowLayer.device_count`) — what :func:`_ring_read` finds, without
+    reading the host's counts (graph-replayable): no key ranges (padding), and the call's window the layer's or
+    none (a sliding layer: every held slot), or its chunk the layer's (a chunked layer: the newest chunk)."""
+    if pattern.kv_start is not None or pattern.kv_end is not None:
+        return False
+    if layer.kind == "sliding_attention":
+        return chunk is None and window in (None, layer.span)
+    return window is None and chunk == layer.span
 
 
 def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,
@@ -185,21 +205,22 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         if query.shape[2] != 1:
             raise QAttnCacheError(f"a {layer.kind} cache layer is read by one-token steps only; got "
                                   f"{query.shape[2]} queries")
-        if store.device_length is not None and _whole_ring(layer, pattern, window, chunk):
-            kv_start = kv_end = None  # every held slot, as many as device memory says (graph-replayable)
+        by_device = store.device_length is not None and _device_read(layer, pattern, window, chunk)
+        if by_device:
+            kv_start = kv_end = None  # slots [0, the count in device memory) (graph-replayable)
         else:
             kv_start, kv_end, wraps = _ring_read(layer, query.shape[0], pattern, window, chunk)
             ring = layer.span if wraps else None
         window = chunk = None  # in the ranges now
-        nk = store.length
+        nk = layer.device_count() if by_device else store.length  # the kernel reads the device's instead
     else:
         nk = min(int(pattern.kv_len), store.length)
+        # static storage read to its end: the kernel takes the count from device memory (graph-replayable)
+        by_device = store.device_length is not None and nk == store.length
     if _kernels_available(query.device):
         stats.record_call("triton")
         other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
-            # static storage read to its end: the kernel takes the count from device memory (graph-replayable)
-            by_device = store.device_length is not None and nk == store.length
             return decode_launch().decode(query, store, store.v_bar, store.capacity if by_device else nk,
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
                                         kv_end=kv_end, length=store.device_length if by_device else None,

@@ -368,7 +368,10 @@ class QAttnWindowLayer(QAttnLayer):
             # there (a replayed CUDA graph writes the right slot); the host counts advance alike
             self._write(key_states, value_states, self._device_slot)
             self.advance_after_replay(1)  # the host counts, as after a replay of this step
-            self._device_length.add_(1).clamp_(max=self.span)
+            if self.kind == "sliding_attention":  # every held slot
+                self._device_length.add_(1).clamp_(max=self.span)
+            else:  # the new token's chunk: slots 0 to its own (chunks start at multiples of the span)
+                torch.add(self._device_slot, 1, out=self._device_length)
             self._device_slot.add_(1).remainder_(self.span)
             return
         if self._k_bar is None:
@@ -386,11 +389,19 @@ class QAttnWindowLayer(QAttnLayer):
         self._seen, self._length = total, total - keep_from
         self._sync_device_counts()
 
+    def device_count(self) -> int:
+        """Static storage: the slots a one-token read takes from device memory, as the host counts them — every
+        held slot (a window), or the newest token's chunk, slots 0 to (seen − 1) mod span (an unpadded sequence's
+        chunks start at multiples of the span, in slot 0)."""
+        if self.kind == "sliding_attention":
+            return self._length
+        return (self._seen - 1) % self.span + 1 if self._seen else 0
+
     def _sync_device_counts(self) -> None:
-        """Static storage: the device's held count and next slot set from the host's (never inside a capture:
+        """Static storage: the device's read count and next slot set from the host's (never inside a capture:
         only a decode step of one token is replayed, and it advances them on the device)."""
         if self._device_slot is not None:
-            self._device_length.fill_(self._length)
+            self._device_length.fill_(self.device_count())
             self._device_slot.fill_(self._seen % self.span)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -427,11 +438,9 @@ class QAttnWindowLayer(QAttnLayer):
 
     def reserve(self, tokens: int) -> None:
         """Static storage (a CUDA-graph decode step): the ring of ``span`` slots, whatever ``tokens``, with the
-        held count and the next slot in device memory. A sliding-window layer only: its one-token read is every
-        held slot, while a chunked layer's is a slot range that the step's mask gives."""
-        if self.kind != "sliding_attention":
-            raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {self.kind} "
-                                  "cache layers: the slots a step reads come from its mask")
+        count a one-token read takes (:meth:`device_count`) and the next slot in device memory. A chunked layer's
+        device count is its newest chunk's, which holds for unpadded sequences (chunks from position 0); a padded
+        step reads the slot range its mask gives, from the host's counts (not replayable)."""
         super().reserve(self.span)
 
     def advance_after_replay(self, tokens: int = 1) -> None:
@@ -533,8 +542,8 @@ class QAttnCache(Cache):
         plan: a :class:`QAttnPlan`, a plan dict, or one precision for every layer (``"int8"``, ``"int4"``,
             or the unquantized one, which keeps transformers' DynamicLayer). Default:
             ``config.qattn_plan`` when present, else ``"int8"`` everywhere.
-        static_max_len: preallocate storage for this many tokens per layer (no reallocation; a sliding-window
-            layer: its window, with its count and next slot in device memory; chunked layers stay dynamic).
+        static_max_len: preallocate storage for this many tokens per layer (no reallocation; a sliding-window or
+            chunked layer: its span, with its read count and next slot in device memory).
         center_sample: tokens sampled for the centers k̄, v̄ (None: all tokens of the first fill).
     """
 
@@ -563,7 +572,7 @@ class QAttnCache(Cache):
         span = (kwargs or {}).get("sliding_window")
         if kind in WINDOW_KINDS and quantized and span is not None:
             layer = QAttnWindowLayer(kind, int(span), precision, self._center_sample)
-            if self._static_max_len is not None and kind == "sliding_attention":  # chunked rings stay dynamic
+            if self._static_max_len is not None:
                 layer.reserve(self._static_max_len)
             return layer
         # unquantized by the plan, linear attention, ...: transformers' own layer
@@ -577,14 +586,9 @@ class QAttnCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reserve(self, tokens: int) -> None:
-        """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``; a sliding-window layer's ring
-        of its window), before the first fill: what a CUDA-graph decode step needs. Every layer must be
-        quantized, none chunked."""
-        chunked = sorted({layer.kind for layer in self.layers
-                          if isinstance(layer, QAttnWindowLayer) and layer.kind != "sliding_attention"})
-        if chunked:
-            raise QAttnCacheError(f"static storage (a CUDA-graph decode step) is not available for {chunked} cache "
-                                  "layers: the slots a step reads come from its mask")
+        """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``; a sliding-window or chunked layer's
+        ring of its span), before the first fill: what a CUDA-graph decode step needs. Every layer must be
+        quantized."""
         others = sorted({type(layer).__name__ for layer in self.layers if not isinstance(layer, QAttnLayer)})
         if others:
             raise QAttnCacheError(f"static storage needs every cache layer quantized; this cache also has {others} "

@@ -49,7 +49,8 @@ class CapturedDecodeStep:
         model: a causal LM with ``attn_implementation="qattn"``, on a CUDA device.
         cache: a :class:`~hf_qattn.QAttnCache` built with ``static_max_len`` and already filled by the
             prefill; every layer quantized (a plan's full-precision layers grow, and cannot be replayed),
-            sliding-window layers included, chunked ones not.
+            sliding-window and chunked layers included (a chunked layer's replayed read is its newest chunk from
+            position 0: unpadded sequences; a padded step's read comes from host counts and is not replayable).
         warmup: eager steps before the capture (they compile the kernels; at least 1). They run the
             step exactly as captured.
     """
@@ -63,11 +64,6 @@ class CapturedDecodeStep:
         if kinds:
             raise QAttnCacheError(f"CapturedDecodeStep needs every cache layer quantized; this cache also has "
                                   f"{sorted(kinds)} layers (full-precision or special layers grow every step)")
-        chunked = sorted({layer.kind for layer in cache.layers
-                          if hasattr(layer, "held_positions") and layer.kind != "sliding_attention"})
-        if chunked:
-            raise QAttnCacheError(f"CapturedDecodeStep cannot replay {chunked} cache layers: the slots a step reads "
-                                  "come from its mask (run the decode steps eagerly)")
         if any(layer.max_len is None for layer in cache.layers):
             raise QAttnCacheError("CapturedDecodeStep needs QAttnCache(..., static_max_len=N): storage that "
                                   "never moves and a token count kept on the device")
