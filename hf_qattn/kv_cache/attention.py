@@ -90,13 +90,11 @@ def step_pattern(query: torch.Tensor, key: "PackedKV", read_mask):
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         return replayed, None
     pattern, reason = read_mask()
-    layer, kv_len = key.layer, key.shape[2]
-    first = 0  # the first key the unpadded step's mask shows: a chunked layer's newest chunk starts later
-    if getattr(layer, "kind", None) == "chunked_attention":
-        first = kv_len - min(layer.device_count(), kv_len)
-    starts = None if reason is not None or pattern.kv_start is None else set(pattern.kv_start.tolist())
+    kv_len = key.shape[2]
+    # the first key an unpadded step's mask shows every row: 0, or where a chunked layer's newest chunk starts
+    first = 0 if replayed.chunk is None else kv_len - min(key.layer.device_count(), kv_len)
     if (reason is not None or pattern.kv_end is not None or pattern.kv_len != kv_len
-            or starts not in (None, {first}) or (starts is None and first)):
+            or ({0} if pattern.kv_start is None else set(pattern.kv_start.tolist())) != {first}):
         raise QAttnCacheError(f"CapturedDecodeStep: the step's attention mask is not the one of an unpadded step "
                               f"over {kv_len} cached tokens ({reason or pattern}); padded batches cannot be replayed")
     return replayed, None

@@ -32,9 +32,9 @@ What a layer's ``update`` returns:
 generating; exceeding it raises) and keeps each layer's token count in device memory as well
 (``QAttnLayer.storage().device_length``), which the append and decode kernels read: a decode step then
 has no host-side value that changes from step to step, so it can be captured in a CUDA graph and
-replayed (:class:`hf_qattn.CapturedDecodeStep`). A sliding-window layer's ring is its static storage: its held
-count and its next slot live in device memory and advance there. Chunked layers stay dynamic (the slots a
-step reads come from its mask).
+replayed (:class:`hf_qattn.CapturedDecodeStep`). A sliding-window or chunked layer's ring is its static storage:
+the count a one-token read takes (every held slot, or the newest chunk's) and the next slot live in device memory
+and advance there.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    options = {"num_warps": 4, **({"maxnreg": register_cap(consumers)} if register_cap(consumers) else {})}
+    options = {"num_warps": 4, **tuning.register_cap(register_cap(consumers), interp=False)}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
