@@ -212,11 +212,15 @@ def test_kernel_matches_reference_and_exact(seed, name, case):
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     lse_error = (lse.double() - want_lse)[finite].abs()
+    # The kernel itself is held to the reference's lse within 1e-3 above; this bounds the format's error. A row
+    # that sees few keys has its lse off by about its top score's quantization error, whose tail is long: the
+    # mean over the rows is the stable measure.
     if case.get("qk", "int8") == "int8":
-        assert lse_error.max() < 0.05, lse_error.max()
-    else:  # INT4 Q·Kᵀ (±7): a row that sees few keys has its lse off by about its top score's error, 0.22–0.56 over
-        # 30 seeds at most; the mean over the rows is stable (0.055–0.072). The kernel itself is held to the
-        # reference's lse within 1e-3 above; this bounds the format's error
+        # INT8: over 200 seeds a case's worst row reached 0.0495 (window, chunk: rows of 1–5 keys) and its mean
+        # 0.0042–0.0105 (measured with the reference, which the kernel matches, at seeds 10000–10199)
+        assert lse_error.mean() < 0.02, lse_error.mean()
+        assert lse_error.max() < 0.1, lse_error.max()
+    else:  # INT4 Q·Kᵀ (±7): the worst row 0.22–0.56 over 30 seeds, the mean 0.055–0.072
         assert lse_error.mean() < 0.15, lse_error.mean()
 
 
