@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--greedy-modes", default="bf16,int8",
-                   help="runs compared with the float32-cache run: bf16, int8, int4, qattn-dynamic (qattn attention "
+                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, qattn-dynamic (qattn attention "
                         "over transformers' DynamicCache: the pipeline without the quantized cache)")
     p.add_argument("--skip-perplexity", action="store_true")
     p.add_argument("--suffix", default="", help="appended to the output file names")
@@ -119,10 +119,13 @@ def main(argv=None) -> int:
         "DynamicCache + SDPA, K/V rounded to bf16": ("sdpa", lambda: Bf16Cache(config=model.config)),
         "QAttnCache INT8 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8")),
         "QAttnCache INT4 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int4")),
+        "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn":
+            ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
         "DynamicCache + qattn (no quantized cache)": ("qattn", lambda: tf.DynamicCache(config=model.config)),
     }
     short = {"fp32": "DynamicCache + SDPA (float32 cache)", "bf16": "DynamicCache + SDPA, K/V rounded to bf16",
              "int8": "QAttnCache INT8 K + FP8 V, qattn", "int4": "QAttnCache INT4 K + FP8 V, qattn",
+             "int8g": "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn",
              "qattn-dynamic": "DynamicCache + qattn (no quantized cache)"}
     report = {"model": args.model, "args": vars(args), "perplexity": {}, "greedy": {}}
     texts = windows(tokenizer, test_path, args.windows, args.length)

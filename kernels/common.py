@@ -16,8 +16,11 @@ FP8_MAX = tl.constexpr(formats.FP8_E4M3_MAX)
 _V_DITHER_LEVELS = tl.constexpr(formats.V_DITHER_LEVELS)
 _V_DITHER_STEP = tl.constexpr(formats.V_DITHER_STEP)
 LOG2E = tl.constexpr(formats.LOG2E)  # the softmax runs in base 2
-INT4_GROUP = tl.constexpr(formats.KV_INT4_GROUP)  # the KV cache's INT4 K: tokens a group (see formats)
-INT4_LEVELS = tl.constexpr(formats.KV_INT4_LEVELS)
+KV_GROUP = tl.constexpr(formats.KV_GROUP)  # the KV cache's grouped formats: tokens a group (see formats)
+INT4_LEVELS = tl.constexpr(formats.KV_GROUP_LEVELS["int4"])
+G8_LEVELS = tl.constexpr(formats.KV_GROUP_LEVELS["int8g"])
+INT4_DIRECTED = tl.constexpr(formats.KV_GROUP_DIRECTED["int4"])
+G8_DIRECTED = tl.constexpr(formats.KV_GROUP_DIRECTED["int8g"])
 
 
 @triton.jit
@@ -91,6 +94,21 @@ def to_bf16(x, GRID_ROUND: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         x = bits.to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def to_bf16_toward(x, UP: tl.constexpr, GRID_ROUND: tl.constexpr):
+    """float32 → bf16 rounded up (toward +∞) or down, as ``kv_cache.reference._bf16_toward``: to nearest, then
+    one bf16 step the other way where that went past x (NaN stays NaN: it compares false)."""
+    r = to_bf16(x, GRID_ROUND)
+    bits = r.to(tl.int16, bitcast=True)
+    if UP:
+        past = r.to(tl.float32) < x
+        away = bits >= 0
+    else:
+        past = r.to(tl.float32) > x
+        away = bits < 0
+    return tl.where(past, tl.where(away, bits + 1, bits - 1).to(tl.bfloat16, bitcast=True), r)
 
 
 @triton.jit

@@ -4,20 +4,22 @@ Storage of one cache layer (B batch, Hk key/value heads, CAP token slots, D head
 
     kq   int8 (B, Hk, CAP, D)        INT8 K − k̄ over its per-token scale (±127), or
          int8 (B, Hk, CAP, D_PAD/2)  INT4 u ∈ [0, 15] packed two a byte: channel c in the low nibble,
-                                     channel c + D_PAD/2 in the high nibble
+                                     channel c + D_PAD/2 in the high nibble, or
+         uint8 (B, Hk, CAP, D)       G8 (int8g) u ∈ [0, 255]
     ks   fp32 (B, Hk, CAP)           INT8: δK per token, or
-         bf16 (B, Hk, CAP/G, 2, D)   INT4: per (group of G = KV_INT4_GROUP slots, channel) scale and zero,
+         bf16 (B, Hk, CAP/G, 2, D)   INT4, G8: per (group of G = KV_GROUP slots, channel) scale and zero,
                                      K − k̄ ≈ zero + u · scale
-    kr   (B, Hk, G, D)               INT4: K − k̄ of the incomplete group's tokens, in the model's dtype
-    vq   fp8 e4m3 (B, Hk, CAP, D)    (V − v̄) / δV
-    vs   fp32 (B, Hk, CAP)           δV per token (max |V − v̄| of the token over 448)
+    kr   (B, Hk, G, D)               INT4, G8: K − k̄ of the incomplete group's tokens, in the model's dtype
+    vq   fp8 e4m3 (B, Hk, CAP, D)    (V − v̄) / δV, or G8: uint8 u as K's
+    vs   fp32 (B, Hk, CAP)           δV per token (max |V − v̄| of the token over 448), or G8: as K's
+    vr   (B, Hk, G, D)               G8: V − v̄ of the incomplete group's tokens
     k̄, v̄ fp32 (B·Hk, D)              centers, fixed when the layer is first filled
 
 (``hf_qattn.kv_cache.reference`` is the same math in PyTorch; its ``Buffers`` holds these tensors.)
 
 ``append_kernel`` quantizes new tokens (any layout, by strides) into slots [pos0, pos0 + N). Each
-token's V and INT8 K are quantized once, there; INT4 K a group at a time, when the group's last token
-arrives (until then the group's tokens wait in ``kr``).
+token's per-token V and INT8 K are quantized once, there; grouped ones a group at a time, when the group's
+last token arrives (until then the group's tokens wait in ``kr`` / ``vr``).
 
 ``decode_kernel`` — one program per (query chunk, batch·kv-head, split of the cached tokens).
 The tile's rows are all query heads of one KV group times QT query tokens (GQA packing: the
@@ -25,9 +27,11 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
 
     S = (q · K̂ᵀ) · δK · sm_scale·log2 e       INT8: K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
     S = ((q ⊙ scale) · uᵀ + q · zero) · …     INT4: one group a tile, its scales folded into q (bf16)
-    S = q · kr                                 the incomplete INT4 group's tile
+    S = ((q ⊙ scale) · uᵀ + q · zero) · …     G8: the same at 8 bits, q ⊙ scale as a bf16 pair (hi + lo)
+    S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
     O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
+    O += (P · u) ⊙ scale + ΣP · zero           G8: P in fp16, u exact; (P · vr) on the incomplete group
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i); ``WINDOW`` keys
@@ -48,8 +52,8 @@ dim needs no padding); only the last tile of a split is masked.
 import triton
 import triton.language as tl
 
-from .common import (FP8_MAX, INT4_GROUP, INT4_LEVELS, SCALE_FLOOR, mul_rn, quantize_symmetric, reciprocal,
-                     round_half_even, scale_to_fp8, to_bf16)
+from .common import (FP8_MAX, G8_DIRECTED, G8_LEVELS, INT4_DIRECTED, INT4_LEVELS, KV_GROUP, SCALE_FLOOR, mul_rn,
+                     quantize_symmetric, reciprocal, round_half_even, scale_to_fp8, to_bf16, to_bf16_toward)
 
 
 @triton.jit
@@ -60,17 +64,23 @@ def _nan_unless_finite(scale, x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_group(x, GRID_ROUND: tl.constexpr):
-    """A complete group x (G rows, channels) in fp32 → per channel a bf16 scale and zero point (min/max over the
-    group, scale = range / 15) and u = round((x − zero) / scale) ∈ [0, 15] (int32), rounded as the reference."""
+def _quantize_group(x, LEVELS: tl.constexpr, DIRECTED: tl.constexpr, GRID_ROUND: tl.constexpr):
+    """A complete group x (G rows, channels) in fp32 → per channel a bf16 scale and zero point and
+    u = round((x − zero) / scale) ∈ [0, LEVELS] (int32), as ``reference.quantize_groups``: zero the min, scale
+    (max − zero) / LEVELS, rounded to nearest or (DIRECTED) zero down and scale up (formats.KV_GROUP_DIRECTED)."""
     low = tl.min(x, axis=0)
-    zero = to_bf16(low, GRID_ROUND)
-    scale = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR),
-                           tl.full(low.shape, INT4_LEVELS, tl.float32))
-    scale = to_bf16(_nan_unless_finite(scale, x, 0), GRID_ROUND)
+    if DIRECTED:
+        zero = to_bf16_toward(low, False, GRID_ROUND)
+        exact = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - zero.to(tl.float32), SCALE_FLOOR),
+                               tl.full(low.shape, LEVELS, tl.float32))
+        scale = to_bf16_toward(_nan_unless_finite(exact, x, 0), True, GRID_ROUND)
+    else:
+        zero = to_bf16(low, GRID_ROUND)
+        exact = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR), tl.full(low.shape, LEVELS, tl.float32))
+        scale = to_bf16(_nan_unless_finite(exact, x, 0), GRID_ROUND)
     u = round_half_even(mul_rn(x - zero.to(tl.float32)[None, :], reciprocal(scale.to(tl.float32))[None, :],
                                GRID_ROUND))
-    return tl.minimum(tl.maximum(u, 0.0), INT4_LEVELS).to(tl.int32), scale, zero
+    return tl.minimum(tl.maximum(u, 0.0), LEVELS).to(tl.int32), scale, zero
 
 
 @triton.jit
@@ -82,7 +92,7 @@ def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, comp
     in ``KR``."""
     HALF: tl.constexpr = D_PAD // 2
     c = tl.arange(0, HALF)
-    r = tl.arange(0, INT4_GROUP)
+    r = tl.arange(0, KV_GROUP)
     lo_ok = (c < HEAD_DIM)[None, :]
     hi_ok = ((c + HALF) < HEAD_DIM)[None, :]
     old_ok = (rows < 0)[:, None]  # the group's earlier tokens, waiting in KR
@@ -96,8 +106,8 @@ def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, comp
     x_lo = tl.where(new_ok[:, None], x_lo, r_lo)
     x_hi = tl.where(new_ok[:, None], x_hi, r_hi)
     if complete:
-        u_lo, scale_lo, zero_lo = _quantize_group(x_lo, GRID_ROUND)
-        u_hi, scale_hi, zero_hi = _quantize_group(x_hi, GRID_ROUND)
+        u_lo, scale_lo, zero_lo = _quantize_group(x_lo, INT4_LEVELS, INT4_DIRECTED, GRID_ROUND)
+        u_hi, scale_hi, zero_hi = _quantize_group(x_hi, INT4_LEVELS, INT4_DIRECTED, GRID_ROUND)
         tl.store(KQ_rows + c[None, :], (u_lo | (u_hi << 4)).to(tl.int8))
         tl.store(KG_group + c, scale_lo, mask=c < HEAD_DIM)
         tl.store(KG_group + HEAD_DIM + c, zero_lo, mask=c < HEAD_DIM)
@@ -109,11 +119,31 @@ def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, comp
                  mask=new_ok[:, None] & hi_ok)
 
 
+@triton.jit
+def _append_group8(X_rows, BAR, Q_rows, G_group, R, bh, rows, new_ok, complete, stride_xd,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GRID_ROUND: tl.constexpr):
+    """One 8-bit group of G slots (int8g's K or V): as :func:`_append_k_group`, whole channels, u one a byte."""
+    c = tl.arange(0, D_PAD)
+    r = tl.arange(0, KV_GROUP)
+    c_ok = (c < HEAD_DIM)[None, :]
+    bar = tl.load(BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :]
+    x = tl.load(X_rows + c[None, :] * stride_xd, mask=new_ok[:, None] & c_ok, other=0.0).to(tl.float32) - bar
+    old = tl.load(R + r[:, None] * HEAD_DIM + c[None, :], mask=(rows < 0)[:, None] & c_ok, other=0.0)
+    x = tl.where(new_ok[:, None], x, old.to(tl.float32))
+    if complete:
+        u, scale, zero = _quantize_group(x, G8_LEVELS, G8_DIRECTED, GRID_ROUND)
+        tl.store(Q_rows + c[None, :], u.to(tl.uint8), mask=c_ok)
+        tl.store(G_group + c, scale, mask=c < HEAD_DIM)
+        tl.store(G_group + HEAD_DIM + c, zero, mask=c < HEAD_DIM)
+    else:
+        tl.store(R + r[:, None] * HEAD_DIM + c[None, :], x.to(R.dtype.element_ty), mask=new_ok[:, None] & c_ok)
+
+
 # Ints that change from one generated token to the next are not specialized on (Triton would compile
 # a variant the first time one is 1 or divisible by 16: in the middle of a generation)
 @triton.jit(do_not_specialize=["pos0"])
 def append_kernel(
-    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, KR, pos0, POS,
+    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, KR, VR, pos0, POS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_qb, stride_qh, stride_qn,
@@ -122,19 +152,20 @@ def append_kernel(
     stride_rb, stride_rh,
     stride_wb, stride_wh, stride_wn,
     HK, N,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, INT4: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, INT4: tl.constexpr, G8: tl.constexpr,
     GRID_ROUND: tl.constexpr, DEVICE_POS: tl.constexpr,
 ):
+    GROUPED: tl.constexpr = INT4 or G8
     tile = tl.program_id(0)
     bh = tl.program_id(1)  # b·Hk + hk
     if DEVICE_POS:  # the first slot from device memory (a static cache's length): replayable in a CUDA graph
         pos0 = tl.load(POS)
     b = (bh // HK).to(tl.int64)
     hk = bh % HK
-    if INT4:  # a program per group of slots touched (K of a group is quantized together), from pos0's group
-        tl.static_assert(BLOCK_T == INT4_GROUP)
-        group = pos0 // INT4_GROUP + tile
-        slots = group * INT4_GROUP + tl.arange(0, BLOCK_T)
+    if GROUPED:  # a program per group of slots touched (a group is quantized together), from pos0's group
+        tl.static_assert(BLOCK_T == KV_GROUP)
+        group = pos0 // KV_GROUP + tile
+        slots = group * KV_GROUP + tl.arange(0, BLOCK_T)
         rows = slots - pos0  # index of the new token in each slot (< 0: an earlier token of the group)
     else:
         rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -143,13 +174,25 @@ def append_kernel(
     k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
     q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
     s_off = b * stride_sb + hk * stride_sh + slots
+    v_base = V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn
+    w_base = VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn
+    group_off = b * stride_gb + hk * stride_gh
+    recent_off = b * stride_rb + hk * stride_rh
 
-    # --- K: subtract the fixed center; INT4 per channel over the group, INT8 one scale per token
-    if INT4:
-        if group * INT4_GROUP < pos0 + N:  # a device-side pos0 may leave the grid's last program nothing to do
-            _append_k_group(k_base, K_BAR, q_base, KS + b * stride_gb + hk * stride_gh + group * stride_gg,
-                            KR + b * stride_rb + hk * stride_rh, bh, rows, row_ok,
-                            group * INT4_GROUP + INT4_GROUP <= pos0 + N, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
+    # --- K: subtract the fixed center; grouped formats per channel over the group, INT8 one scale per token
+    if GROUPED:
+        # a device-side pos0 may leave the grid's last program nothing to do
+        if group * KV_GROUP < pos0 + N:
+            complete = group * KV_GROUP + KV_GROUP <= pos0 + N
+            if INT4:
+                _append_k_group(k_base, K_BAR, q_base, KS + group_off + group * stride_gg, KR + recent_off, bh,
+                                rows, row_ok, complete, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
+            else:
+                _append_group8(k_base, K_BAR, q_base, KS + group_off + group * stride_gg, KR + recent_off, bh,
+                               rows, row_ok, complete, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
+            if G8:
+                _append_group8(v_base, V_BAR, w_base, VS + group_off + group * stride_gg, VR + recent_off, bh,
+                               rows, row_ok, complete, stride_vd, HEAD_DIM, D_PAD, GRID_ROUND)
     else:
         c = tl.arange(0, D_PAD)
         ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
@@ -159,16 +202,15 @@ def append_kernel(
         tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0, GRID_ROUND), mask=ok)
         tl.store(KS + s_off, k_scale, mask=row_ok)
 
-    # --- V: subtract the fixed center, one scale per token, FP8 E4M3
-    c = tl.arange(0, D_PAD)
-    ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
-    v = tl.load(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + c[None, :] * stride_vd,
-                mask=ok, other=0.0).to(tl.float32)
-    v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-    v_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX, v, 1)
-    vq = scale_to_fp8(v, v_scale[:, None], GRID_ROUND)
-    tl.store(VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn + c[None, :], vq, mask=ok)
-    tl.store(VS + s_off, v_scale, mask=row_ok)
+    # --- V (unless int8g's groups above): subtract the fixed center, one scale per token, FP8 E4M3
+    if not G8:
+        c = tl.arange(0, D_PAD)
+        ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+        v = tl.load(v_base + c[None, :] * stride_vd, mask=ok, other=0.0).to(tl.float32)
+        v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
+        v_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX, v, 1)
+        tl.store(w_base + c[None, :], scale_to_fp8(v, v_scale[:, None], GRID_ROUND), mask=ok)
+        tl.store(VS + s_off, v_scale, mask=row_ok)
 
 
 @triton.jit
@@ -198,16 +240,17 @@ def _dot_t(a, b, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-                 k_group_base, k_recent_base, recent_lo,
+                 k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
                  ring_lo, ring_count,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
+                 G8: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, INTERPRET: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr,
-                 RECENT: tl.constexpr):
+                 MASK_N: tl.constexpr, RECENT: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
-    INT4: the tile is one group (BLOCK_N = G) of packed K, or with RECENT the incomplete group's tokens from
-    ``k_recent_base`` (slot ``recent_lo`` is its row 0).
+    INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K / of 8-bit K and V, or with RECENT the
+    incomplete group's tokens from ``k_recent_base`` (and G8's V from ``v_recent_base``; slot ``recent_lo`` is
+    their row 0).
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
     of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
@@ -252,15 +295,39 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
                              - 128.0 * (qs_lo.to(tl.float32) + qs_hi.to(tl.float32)), axis=1)
                 qk = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
             qk = qk + row[:, None]
+    elif G8:
+        c = tl.arange(0, D_PAD)
+        if RECENT:
+            k = tl.load(k_recent_base + (offs_n - recent_lo)[:, None] * stride_rn + c[None, :],
+                        mask=n_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
+            qk = _dot_t(q, k, INTERPRET)
+        else:  # one group: its scales folded into q, q · zero added to every key's score
+            u = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
+            group = k_group_base + (start // BLOCK_N) * stride_gg
+            scale = tl.load(group + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
+            zero = tl.load(group + HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
+            qf = q.to(tl.float32)
+            qs = qf * scale[None, :]
+            if INTERPRET:
+                qk = _dot_t(qs, u, INTERPRET)
+            else:
+                # q ⊙ scale as a bf16 pair (hi + lo: 16 bits, bf16's range): one bf16 would round it as coarsely
+                # as the 8-bit values themselves; u ≤ 255 is exact in bf16
+                qs_hi = qs.to(tl.bfloat16)
+                qs_lo = (qs - qs_hi.to(tl.float32)).to(tl.bfloat16)
+                ub = tl.trans(u.to(tl.bfloat16))
+                qk = tl.dot(qs_hi, ub) + tl.dot(qs_lo, ub)
+            qk = qk + tl.sum(qf * zero[None, :], axis=1)[:, None]
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
         qk = _dot_t(q, k, INTERPRET)
-    if MASK_N:
-        v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
-    else:
-        v_scale = tl.load(VS + s_base + offs_n)
-    if INT4:
+    if not G8:  # V's per-token scale
+        if MASK_N:
+            v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
+        else:
+            v_scale = tl.load(VS + s_base + offs_n)
+    if INT4 or G8:
         s = qk * score_coef
     else:
         if MASK_N:
@@ -290,13 +357,36 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     offs_d = tl.arange(0, D_PAD)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0.0, MASK_N,
-                   EVEN_D)
-    p_w = (p * v_scale[None, :]).to(tl.bfloat16)
-    if INTERPRET:
-        pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
+    if G8 and RECENT:  # V − v̄ in full precision
+        v = tl.load(v_recent_base + (offs_n - recent_lo)[:, None] * stride_rn + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        if INTERPRET:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+    elif G8:  # one group: O += (P · u) ⊙ scale + ΣP · zero
+        u = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
+                       EVEN_D)
+        group = v_group_base + (start // BLOCK_N) * stride_gg
+        scale = tl.load(group + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        zero = tl.load(group + HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        p_w = p.to(tl.float16)  # P ≤ 1: fp16 holds it to 11 bits
+        if INTERPRET:
+            pv = tl.dot(p_w.to(tl.float32), u.to(tl.float32))
+        else:
+            # u becomes fp16 without a conversion instruction: the bits 0x6400 | u are the fp16 of 1024 + u
+            # (exact, u < 1024), so the dot gives P · u + 1024 · ΣP, and the zero point takes 1024 · scale back out
+            pv = tl.dot(p_w, (u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True))
+            zero = zero - 1024.0 * scale
+        pv = pv * scale[None, :] + tl.sum(p_w.to(tl.float32), axis=1)[:, None] * zero[None, :]
     else:
-        pv = tl.dot(p_w, v.to(tl.bfloat16))
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0.0, MASK_N,
+                       EVEN_D)
+        p_w = (p * v_scale[None, :]).to(tl.bfloat16)
+        if INTERPRET:
+            pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p_w, v.to(tl.bfloat16))
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
@@ -312,7 +402,7 @@ def _with_sink(acc, m, l, seen, sink2, v_bar):
 
 @triton.jit(do_not_specialize=["NK", "SPLIT_LEN", "NUM_SPLITS"])
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, KR, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
+    Q, KQ, KS, VQ, VS, KR, VR, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
@@ -322,11 +412,12 @@ def decode_kernel(
     stride_ob, stride_on, stride_oh, stride_od,
     HK, NQ, NK, SPLIT_LEN, NUM_SPLITS, score_coef, softcap2, window, chunk_size, ring,
     GROUPS: tl.constexpr, QT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, G8: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     DEVICE_LEN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
     CHUNK: tl.constexpr, RING: tl.constexpr,
 ):
+    GROUPED: tl.constexpr = INT4 or G8
     if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
         NK = tl.minimum(tl.load(LEN), NK)
     chunk = tl.program_id(0)
@@ -401,9 +492,10 @@ def decode_kernel(
     if CHUNK:
         first_key = tl.maximum(first_key, tl.maximum(diag + chunk * QT, 0) // chunk_size * chunk_size)
     lo = tl.maximum(lo, tl.maximum(first_key, 0) // BLOCK_N * BLOCK_N)
-    # INT4: whole groups are packed K (a tile each), the incomplete group's tokens from NK // G · G on are in KR
-    if INT4:
-        tl.static_assert(BLOCK_N == INT4_GROUP)
+    # grouped formats: whole groups are quantized (a tile each), the incomplete group's tokens from NK // G · G on
+    # are in KR (and VR)
+    if GROUPED:
+        tl.static_assert(BLOCK_N == KV_GROUP)
         packed_hi = NK // BLOCK_N * BLOCK_N
     else:
         packed_hi = NK
@@ -414,34 +506,40 @@ def decode_kernel(
     k_base = KQ + b * stride_kb + hk * stride_kh
     s_base = b * stride_sb + hk * stride_sh
     v_base = VQ + b * stride_vb + hk * stride_vh
-    if INT4:
+    g_base = KS  # the group scales and recent rows, where the format has them
+    r_base = KS
+    vg_base = VS
+    vr_base = VS
+    if GROUPED:
         g_base = KS + b * stride_gb + hk * stride_gh
         r_base = KR + b * stride_rb + hk * stride_rh
-    else:  # unused
-        g_base = KS
-        r_base = KS
+    if G8:
+        vg_base = VS + b * stride_gb + hk * stride_gh
+        vr_base = VR + b * stride_rb + hk * stride_rh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # whole tiles, a partial one, and (grouped formats) the incomplete group's rows: at most one tile, in the split
+    # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
     for start in range(lo, hi_full, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                     s_base, v_base, g_base, r_base, packed_hi, stride_kn, stride_vn, stride_gg,
-                                     stride_rn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo,
-                                     ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, False,
-                                     INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False)
+        acc, m_i, l_i = _attend_tile(
+            q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base, g_base, r_base,
+            vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2,
+            window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL, HAS_KV_RANGE,
+            INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False, False)
     for start in range(hi_full, hi_packed, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                     s_base, v_base, g_base, r_base, packed_hi, stride_kn, stride_vn, stride_gg,
-                                     stride_rn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo,
-                                     ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True,
-                                     INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False)
-    if INT4:  # the incomplete group: at most one tile, in the split that reaches it
+        acc, m_i, l_i = _attend_tile(
+            q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base, g_base, r_base,
+            vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2,
+            window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL, HAS_KV_RANGE,
+            INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, False)
+    if GROUPED:
         for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
-                                         s_base, v_base, g_base, r_base, packed_hi, stride_kn, stride_vn, stride_gg,
-                                         stride_rn, score_coef, shift, softcap2, window, chunk_size, ring, ring_lo,
-                                         ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, CAUSAL, HAS_KV_RANGE, True,
-                                         INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True)
+            acc, m_i, l_i = _attend_tile(
+                q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base, g_base,
+                r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
+                softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
+                HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, True)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)

@@ -17,16 +17,20 @@ from . import tuning
 from .fast_launch import fast
 from .decode import append_kernel, decode_kernel
 
-from .formats import KV_INT4_GROUP as GROUP, LOG2E
+from .formats import KV_GROUP as GROUP, LOG2E
 
 
-def _check_buffers(buffers) -> bool:
-    """Whether ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its fields) is INT4; the
-    kernels index the INT4 group scales and the recent tokens assuming contiguous rows."""
-    int4 = buffers.precision == "int4"
-    if int4 and any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (buffers.ks, buffers.k_recent)):
-        raise ValueError("INT4 buffers need contiguous group scales (…, 2, D) and recent rows (…, G, D)")
-    return int4
+def _check_buffers(buffers) -> tuple[bool, bool]:
+    """(INT4, G8): the precision of ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its
+    fields): ``int4`` (4-bit K groups) or ``int8g`` (8-bit K and V groups), else per-token INT8 K and FP8 V. The
+    kernels index group scales and recent tokens assuming contiguous rows, and G8's V by K's strides."""
+    int4, g8 = buffers.precision == "int4", buffers.precision == "int8g"
+    grouped = [buffers.ks, buffers.k_recent] + ([buffers.vs, buffers.v_recent] if g8 else [])
+    if (int4 or g8) and any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in grouped):
+        raise ValueError(f"{buffers.precision} buffers need contiguous group scales (…, 2, D) and recent rows (…, G, D)")
+    if g8 and (buffers.vs.stride() != buffers.ks.stride() or buffers.v_recent.stride() != buffers.k_recent.stride()):
+        raise ValueError("int8g buffers need V's group scales and recent rows laid out as K's")
+    return int4, g8
 
 
 def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict | None = None) -> None:
@@ -37,27 +41,27 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
     b, hk, n, d = k.shape
     if n == 0:
         return
-    int4 = _check_buffers(buffers)
+    int4, g8 = _check_buffers(buffers)
     device_pos = isinstance(pos0, torch.Tensor)
     interp = tuning.interpreting()
-    if int4:  # a program per group touched: pos0's group and the ones the tokens reach (one more, unknown pos0)
+    if int4 or g8:  # a program per group touched: pos0's group and the ones the tokens reach (one more, unknown pos0)
         block_t = GROUP
         tiles = _cdiv(n, GROUP) + 1 if device_pos else (pos0 + n - 1) // GROUP - pos0 // GROUP + 1
     else:
         block_t = tuning.decode_config(interp)["APPEND_BLOCK_T"] if n > 16 else 16
         tiles = _cdiv(n, block_t)
-    kq, ks, vq, vs, kr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent
-    group_strides = ks.stride()[:3] if int4 else (0, 0, 0)
-    recent_strides = kr.stride()[:2] if int4 else (0, 0)
-    args = (k, v, k_bar, v_bar, kq, ks, vq, vs, kr, 0 if device_pos else pos0, pos0 if device_pos else None,
+    kq, ks, vq, vs, kr, vr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent, buffers.v_recent
+    group_strides = ks.stride()[:3] if int4 or g8 else (0, 0, 0)
+    recent_strides = kr.stride()[:2] if int4 or g8 else (0, 0)
+    args = (k, v, k_bar, v_bar, kq, ks, vq, vs, kr, vr, 0 if device_pos else pos0, pos0 if device_pos else None,
             *k.stride(), *v.stride(), *kq.stride()[:3], *vs.stride()[:2], *group_strides, *recent_strides,
             *vq.stride()[:3], hk, n)
-    kwargs = dict(HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4, GRID_ROUND=interp,
+    kwargs = dict(HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4, G8=g8, GRID_ROUND=interp,
                   DEVICE_POS=device_pos, num_warps=4)
     if launches is None:
         fast(append_kernel).launch((tiles, b * hk), args, kwargs)
     else:  # as decode's memo: the storage and centers by identity, k's and v's layouts, the device count's
-        keep = (kq, ks, vq, vs, kr, k_bar, v_bar, pos0 if device_pos else None)
+        keep = (kq, ks, vq, vs, kr, vr, k_bar, v_bar, pos0 if device_pos else None)
         memo_key = (tuple(map(id, keep)), k.dtype, k.shape, k.stride(), k.data_ptr() % 16, v.dtype, v.stride(),
                     v.data_ptr() % 16, tuple(kwargs.items()))
         fast(append_kernel).launch_memo(launches, memo_key, keep, (tiles, b * hk), args, kwargs)
@@ -76,8 +80,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 # maxnreg: a register cap, so more programs share an SM without spills
 #   (decode-regs-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23.md, head dim 128); not above head dim 128, where
 #   the INT4 tile of several query tokens needs more (ptxas refused d256 INT4 with 3 query tokens).
-#   maxnreg_int4: INT4 K's group tiles spill at 128 (Nsight: 2.7 M local requests at B8 L64k); 168 was 2–7 %
-#   faster than 128 at B8 L16k / L64k and no cap (255) slower (decode-regs-sweep-…-2026-11-25.md).
+#   maxnreg_groups: the grouped formats' tiles. INT4 K's spill at 128 (Nsight: 2.7 M local requests at B8 L64k);
+#   168 was 2–7 % faster than 128 at B8 L16k / L64k and no cap (255) slower (decode-regs-sweep-…-2026-11-25.md).
+#   int8g's (8-bit K and V groups) takes the same cap, not swept.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -174,21 +179,23 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     No host synchronization, no allocation but ``out`` when it is not given; one kernel launch (with
     several splits, the last split program to finish merges them).
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
-    thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config` (INT4 K reads a
-    group a tile: ``block_n`` is the group, ``KV_INT4_GROUP``).
+    thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config` (grouped formats read
+    a group a tile: ``block_n`` is the group, ``KV_GROUP``).
     ``launches``: a dict the caller keeps for ``buffers`` (a cache layer's, emptied when its storage moves), in
     which the launch is remembered, so that a decode step's next launch skips most of the host's work
     (``FastLauncher.launch_memo``).
     """
     b, hq, nq, d = q.shape
-    kq, ks, vq, vs, kr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent
-    int4 = _check_buffers(buffers)
+    kq, ks, vq, vs, kr, vr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent, buffers.v_recent
+    int4, g8 = _check_buffers(buffers)
+    grouped = int4 or g8
     hk = kq.shape[1]
-    if int4:
+    if grouped:
         if block_n not in (None, GROUP):
-            raise ValueError(f"block_n must be the INT4 group ({GROUP}) for INT4 K; got {block_n}")
+            raise ValueError(f"block_n must be the group ({GROUP}) for {buffers.precision} storage; got {block_n}")
         if ring is not None:
-            raise ValueError("INT4 K is not stored in rings (sliding-window / chunked cache layers keep INT8)")
+            raise ValueError(f"{buffers.precision} storage is not kept in rings (sliding-window / chunked cache layers "
+                             "keep INT8)")
         block_n = GROUP
     groups = hq // hk
     if sm_scale is None:
@@ -222,17 +229,17 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     extra = {} if num_stages is None else {"num_stages": num_stages}
     settings = tuning.decode_config(interp or q.device.type != "cuda")
     if maxnreg is None:
-        maxnreg = settings["maxnreg_int4" if int4 else "maxnreg"] if d_pad <= 128 else 0
+        maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
     extra.update(tuning.register_cap(maxnreg, interp))
     score_k_bar = k_bar if (sinks is not None or softcap is not None) else None
-    args = (q, kq, ks, vq, vs, kr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length, score_k_bar,
-            sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if int4 else (0, 0, 0)),
-            *(kr.stride()[:3] if int4 else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
+    args = (q, kq, ks, vq, vs, kr, vr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length, score_k_bar,
+            sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if grouped else (0, 0, 0)),
+            *(kr.stride()[:3] if grouped else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
             hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
             1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1, ring or 1)
     kwargs = dict(
         GROUPS=groups, QT=cfg["QT"], HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        INT4=int4, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
+        INT4=int4, G8=g8, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
         num_warps=settings["num_warps"] if num_warps is None else num_warps, **extra,
@@ -244,7 +251,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         # what the launch specializes on besides the kwargs: the storage by identity (its tensors' dtypes,
         # alignment and strides), q's and out's layout and alignment, the optional tensors' alignment (their
         # dtypes are fixed above; the workspace comes aligned), the spans' int values
-        keep = (kq, ks, vq, vs, kr, v_bar, score_k_bar, length)
+        keep = (kq, ks, vq, vs, kr, vr, v_bar, score_k_bar, length)
         memo_key = (tuple(map(id, keep)), q.dtype, q.shape, q.stride(), q.data_ptr() % 16, out.stride(),
                     out.data_ptr() % 16, *(None if t is None else t.data_ptr() % 16 for t in (kv_start, kv_end, sinks)),
                     window, chunk, ring, tuple(kwargs.items()))

@@ -33,14 +33,24 @@ def v_dither(tile: int) -> float:
     return 1.0 + ((tile * V_DITHER_STEP) % V_DITHER_LEVELS) / V_DITHER_LEVELS
 
 
-# The quantized KV cache's 4-bit K (KIVI's layout): K − k̄ per channel over groups of this many consecutive
-# tokens, each (group, channel) with a bf16 scale and zero point and values 0..15; the newest tokens of an
-# incomplete group stay in full precision until it completes. Per token (one scale over the channels) cost
-# SmolLM2 +10 % perplexity, per-channel groups of 16–128 tokens +0.35–1.13 %
-# (eval/results/cache-k-formats-*.md); 64 is the decode kernel's key tile on the GPU, so a tile is a group
-# and its scales are folded into q once a tile. Scale and zero cost 8 bytes a token at d128 (K: 64 bytes).
-KV_INT4_GROUP = 64
-KV_INT4_LEVELS = 15  # the largest 4-bit value: u ∈ [0, 15], K − k̄ ≈ zero + u · scale
+# The quantized KV cache's grouped formats (KIVI's layout for K): K − k̄ (and in the 8-bit grouped format V − v̄
+# too) per channel over groups of this many consecutive tokens, each (group, channel) with a bf16 scale and zero
+# point and values u ∈ [0, levels], x ≈ zero + u · scale; the newest tokens of an incomplete group stay in full
+# precision until it completes. 4-bit K per token (one scale over the channels) cost SmolLM2 +10 % perplexity,
+# per-channel groups of 16–128 tokens +0.35–1.13 % (eval/results/cache-k-formats-*.md); 8-bit K and V per token
+# part greedy continuations from the float32 cache's in 15 of 20 prompts, 8-bit K and V per channel over groups
+# in 6 (eval/results/cache-greedy-formats-*.md). 64 is the decode kernel's key tile on the GPU, so a tile is a
+# group and its K scales are folded into q once a tile. Scale and zero cost 8 bytes a token at d128.
+KV_GROUP = 64
+KV_GROUP_LEVELS = {"int4": 15, "int8g": 255}  # the largest value of u, by the cache's precision name
+# How a group's bf16 zero and scale are rounded. Directed: zero = the min rounded down, scale = (max − zero) /
+# levels rounded up, so every value is within half a step of its grid point; but a channel far from k̄ in a
+# group (|min| ≫ its range: a slowly rotating RoPE pair) then gets a step up to |min| · 2^-8 / levels wider.
+# Nearest: both rounded to nearest, values below the zero clamp to it (off by ≤ half a bf16 step of |min|), the
+# top by ≤ levels · 2^-9 steps. At 4 bits the step dwarfs the clamp: SmolLM2 cache perplexity +0.54 % nearest,
+# +0.86 % directed; at 8 bits the clamp can reach several steps: −0.00 % directed, +0.02 % nearest (CPU,
+# eval/cache_accuracy.py's perplexity, 2026-11-25).
+KV_GROUP_DIRECTED = {"int4": False, "int8g": True}
 
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30

@@ -36,6 +36,11 @@ def test_layers_follow_the_plan():
     assert hf_qattn.QAttnCache(llama_config(), plan="int4").precisions() == ["int4"] * 3
     with pytest.raises(ValueError):  # PlanError
         hf_qattn.QAttnCache(llama_config(), plan="int3")
+    # 8-bit K and V groups for the layers the plan marks int8; INT4 and unquantized layers as the plan says
+    grouped = hf_qattn.QAttnCache(llama_config(qattn_plan=plan), int8_layout="groups")
+    assert grouped.precisions() == ["int4", "int8g", "DynamicLayer"]
+    with pytest.raises(ValueError, match="int8_layout must be one of"):
+        hf_qattn.QAttnCache(llama_config(), int8_layout="channels")
 
 
 def _shared_kwargs_layer_types(config):
@@ -75,7 +80,7 @@ def _states(b, h, n, d, dtype=torch.float32):
     return k.to(dtype), v.to(dtype)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
     """Prefill returns the exact states; later steps return packed handles; the storage equals
     quantizing all tokens at once with the centers of the first fill — through growth of the buffers."""
@@ -96,23 +101,61 @@ def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
     torch.testing.assert_close(store.k_bar, k_bar)
     once = kv_reference.allocate(2, 2, 320, 32, precision, "cpu", k.dtype)
     kv_reference.append(k, v, k_bar, v_bar, once, 0)
-    assert torch.equal(store.kq[:, :, :300], once.kq[:, :, :300])
-    scales = 300 // kv_reference.GROUP if precision == "int4" else 300  # INT4: a row of scales per whole group
-    torch.testing.assert_close(store.ks[:, :, :scales], once.ks[:, :, :scales], rtol=1e-6, atol=0)
-    if precision == "int4":
-        torch.testing.assert_close(store.k_recent[:, :, : 300 % kv_reference.GROUP],
-                                   once.k_recent[:, :, : 300 % kv_reference.GROUP], rtol=0, atol=0)
-    assert (store.vq[:, :, :300].float() != once.vq[:, :, :300].float()).float().mean() < 1e-3
-    # the dequantized fallback rebuilds K and V to the format's resolution: half a step of K's grid (per
-    # token for INT8, per (group, channel) for INT4), and E4M3's 3 mantissa bits for V
+    group = kv_reference.GROUP
+    whole = 300 // group * group
+    for name, grouped in (("k", kv_reference.k_grouped(precision)), ("v", kv_reference.v_grouped(precision))):
+        got, want = (getattr(x, name + "q") for x in (store, once))
+        got_s, want_s = (getattr(x, name + "s") for x in (store, once))
+        if grouped:  # the whole groups' values and scales, the incomplete group's rows exactly
+            assert torch.equal(got[:, :, :whole], want[:, :, :whole]), name
+            assert torch.equal(got_s[:, :, : 300 // group], want_s[:, :, : 300 // group]), name
+            assert torch.equal(getattr(store, name + "_recent")[:, :, : 300 - whole],
+                               getattr(once, name + "_recent")[:, :, : 300 - whole]), name
+        elif name == "k":
+            assert torch.equal(got[:, :, :300], want[:, :, :300])
+            torch.testing.assert_close(got_s[:, :, :300], want_s[:, :, :300], rtol=1e-6, atol=0)
+        else:
+            assert (got[:, :, :300].float() != want[:, :, :300].float()).float().mean() < 1e-3
+    # the dequantized fallback rebuilds K and V to the format's resolution: half a step of the grid (per token,
+    # or per (group, channel) with the incomplete group exact), and E4M3's 3 mantissa bits for per-token V
     kd, vd = layer.dequantized()
-    if precision == "int4":
-        step = once.ks[:, :, :, 0].float().repeat_interleave(kv_reference.GROUP, dim=2)[:, :, :300]
-        step[:, :, 300 // kv_reference.GROUP * kv_reference.GROUP:] = 0.0  # the incomplete group: exact
-    else:
-        step = once.ks[:, :, :300, None]
-    assert ((kd - k).abs() <= 0.5 * step * 1.001 + 1e-5).all()
-    assert ((vd - v).abs() <= (v - v_bar[:, :, None]).abs() / 16 + 1e-5).all()
+    for name, got, original in (("k", kd, k), ("v", vd, v)):
+        grouped = (kv_reference.k_grouped if name == "k" else kv_reference.v_grouped)(precision)
+        if grouped:
+            step = getattr(once, name + "s")[:, :, :, 0].float().repeat_interleave(group, dim=2)[:, :, :300]
+            step[:, :, whole:] = 0.0
+            assert ((got - original).abs() <= 0.5 * step * 1.001 + 1e-5).all(), name
+        elif name == "k":
+            assert ((got - original).abs() <= 0.5 * once.ks[:, :, :300, None] * 1.001 + 1e-5).all()
+        else:
+            assert ((got - original).abs() <= (original - v_bar[:, :, None]).abs() / 16 + 1e-5).all()
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8g"])
+def test_crop_back_into_a_quantized_group(seed, precision):
+    """Cropping to inside a group quantized already puts the kept tokens of its grouped tensors back in the
+    recent rows (dequantized); the group then completes anew from them and the new tokens: each token within
+    half a step of each quantization it went through."""
+    layer, group = qcache.QAttnLayer(precision), kv_reference.GROUP
+    k, v = _states(1, 2, 150, 32)
+    layer.update(k, v)
+    before = layer.dequantized()
+    steps_before = [getattr(layer.storage(), n + "s")[:, :, 1, 0].float()  # group 1's, where grouped
+                    if getattr(layer.storage(), n + "s").dim() == 5 else None for n in ("k", "v")]
+    layer.crop(-50)  # 100 tokens: inside group 1 (slots 64–127)
+    for got, was in zip(layer.dequantized(), before):
+        torch.testing.assert_close(got, was[:, :, :100], rtol=0, atol=1e-5)
+    k2, v2 = _states(1, 2, 40, 32)
+    layer.update(k2, v2)  # 140 tokens: group 1 completes again
+    store = layer.storage()
+    for i, (name, got, original) in enumerate(zip(("k", "v"), layer.dequantized(), (torch.cat([k[:, :, :100], k2], 2),
+                                                                                    torch.cat([v[:, :, :100], v2], 2)))):
+        if not (kv_reference.k_grouped if name == "k" else kv_reference.v_grouped)(precision):
+            continue
+        step = getattr(store, name + "s")[:, :, 1, 0].float()[:, :, None]  # (1, 2, 1, 32)
+        err = (got[:, :, group: 2 * group] - original[:, :, group: 2 * group]).abs()
+        assert (err[:, :, :36] <= 0.5 * (step + steps_before[i][:, :, None]) * 1.001 + 1e-5).all(), name
+        assert (err[:, :, 36:] <= 0.5 * step * 1.001 + 1e-5).all(), name
 
 
 def test_nbytes_and_the_memory_targets():
@@ -147,7 +190,7 @@ def _tensor_bytes(layer) -> int:
     """Bytes of every tensor a QAttnLayer holds (what its storage takes from the device)."""
     store = layer.storage()
     return sum(t.numel() * t.element_size() for t in (store.kq, store.ks, store.vq, store.vs, store.k_recent,
-                                                       store.k_bar, store.v_bar) if t is not None)
+                                                       store.v_recent, store.k_bar, store.v_bar) if t is not None)
 
 
 @pytest.mark.parametrize("prompt", [4096, 4000, 8192, 300, 64])
@@ -158,7 +201,7 @@ def test_generation_never_doubles_the_cache(prompt):
     (16 tokens; INT4: a 64-token group) is more than the bounds' slack, and INT4 holds its incomplete group's
     K in the model's dtype (16 KiB a head at d128 in bf16), a fixed cost: there INT8 still ends ≤ 0.56×, INT4
     ≤ 0.45× plus that buffer and the centers. Doubling the capacity at the first generated token held 1.03×
-    at a 4,096-token prompt."""
+    at a 4,096-token prompt. int8g (8-bit K and V groups) is held to its own arithmetic."""
     b, h, d = 1, 1, 128
     bf16_per_token = b * h * d * 2 * 2
     for precision, bound in (("int8", 0.56), ("int4", 0.45)):
@@ -179,6 +222,20 @@ def test_generation_never_doubles_the_cache(prompt):
         else:
             assert allocated - fixed <= bound * bf16_per_token * layer.get_seq_length(), (prompt, allocated, fixed)
         assert layer.nbytes(used=True) <= layer.nbytes()
+    # 8-bit K and V groups: 2 · (D + 2 · 2 · D / 64) bytes a token (0.53× of bf16 at d128), at most a growth step
+    # more, and the two incomplete groups in the model's dtype and the centers beside (bf16 model, 4,096 + 256
+    # tokens: 0.546× of bf16 allocated)
+    layer = qcache.QAttnLayer("int8g")
+    layer.update(*_states(b, h, prompt, d))
+    per_token = 2 * (d + 2 * 2 * d / kv_reference.GROUP)
+    for tokens in [1] + [17] * 15:
+        layer.update(*_states(b, h, tokens, d))
+        store = layer.storage()
+        fixed = sum(t.numel() * t.element_size() for t in (store.k_recent, store.v_recent, store.k_bar, store.v_bar))
+        assert layer.nbytes() == _tensor_bytes(layer)
+        # capacity: the tokens, a growth step of a sixteenth or a group, rounded up to whole groups
+        allowed = per_token * (layer.get_seq_length() * (1 + 1 / 16) + 2 * kv_reference.GROUP) + fixed
+        assert layer.nbytes() <= allowed, (prompt, layer.get_seq_length(), layer.nbytes(), allowed)
 
 
 def test_static_storage_is_preallocated_and_bounded(seed):
@@ -358,23 +415,23 @@ def _stepped_logits(model, ids, cache, steps, step_fn=None):
     return torch.stack(out, dim=1)
 
 
-@pytest.mark.parametrize("plan", ["int8", "int4"])
-def test_static_storage_keeps_the_token_count_on_the_device(seed, plan):
+@pytest.mark.parametrize("plan,layout", [("int8", "tokens"), ("int4", "tokens"), ("int8", "groups")])
+def test_static_storage_keeps_the_token_count_on_the_device(seed, plan, layout):
     """With static storage the kernels read the token count from device memory (what lets a CUDA graph
     replay a step): decoding gives the growing cache's logits, and the device count follows every
     update, crop and reset."""
     model = _tiny_lm()
     ids = torch.randint(1, 128, (2, 11))
     steps = torch.randint(1, 128, (2, 5))
-    growing = _stepped_logits(model, ids, hf_qattn.QAttnCache(model, plan=plan), steps)
-    static = hf_qattn.QAttnCache(model, plan=plan, static_max_len=40)
+    growing = _stepped_logits(model, ids, hf_qattn.QAttnCache(model, plan=plan, int8_layout=layout), steps)
+    static = hf_qattn.QAttnCache(model, plan=plan, static_max_len=40, int8_layout=layout)
     logits = _stepped_logits(model, ids, static, steps)
     rng = growing.amax(-1, keepdim=True) - growing.amin(-1, keepdim=True)
     assert ((logits - growing).abs() / rng).amax() < 1e-3
     for layer in static.layers:
         store = layer.storage()
         assert store.length == 16 and store.device_length.tolist() == [16]
-        assert store.capacity == (40 if plan == "int8" else 64)  # INT4: whole groups
+        assert store.capacity == (40 if store.precision == "int8" else 64)  # grouped: whole groups
     static.crop(-3)
     assert [layer.storage().device_length.item() for layer in static.layers] == [13, 13]
     static.reset()

@@ -61,8 +61,8 @@ def storage(k, v, precision):
 
 
 def tiles(precision: str) -> dict:
-    """16-key tiles (several splits of a short cache on a GPU too); INT4 reads its 64-token groups."""
-    return {} if precision == "int4" else {"block_n": 16}
+    """16-key tiles (several splits of a short cache on a GPU too); grouped formats read their 64-token groups."""
+    return {"block_n": 16} if precision == "int8" else {}
 
 
 def shifted_kv(b, hk, n, d):
@@ -82,6 +82,8 @@ KERNEL_CASES = [
     (1, 45, 20, None, True, None, 2, "int8"),
     (5, 45, None, 16, True, 3.0, 2, "int8"),
     (4, 50, 12, 16, False, 5.0, 3, "int4"),
+    (1, 45, None, None, True, None, 3, "int8g"),
+    (4, 70, 12, 16, True, 5.0, 2, "int8g"),  # a group and 6 recent tokens
 ]
 
 
@@ -99,7 +101,7 @@ def test_decode_kernel_variants_match_float64(seed, nq, nk, window, chunk, sinks
     assert mismatch(out, ref) is None, mismatch(out, ref)
     # the reference itself against exact attention over the dequantized K, V (centers added back)
     k_hat = kv_reference.dequantize_k(st["buf"], d, nk, torch.float64) + st["k_bar"][:, :, None]
-    v_hat = kv_reference.dequantize_v(st["buf"].vq[:, :, :nk], st["buf"].vs[:, :, :nk], torch.float64)
+    v_hat = kv_reference.dequantize_v(st["buf"], d, nk, torch.float64)
     v_hat = v_hat + st["v_bar"][:, :, None]
     exact = reference.exact_attention(q, k_hat, v_hat, is_causal=True, **rules).transpose(1, 2)
     assert (ref.double() - exact).abs().max() <= 1e-3 * exact.abs().max()

@@ -8,7 +8,7 @@ Mutated copies of the kernel (diagonal moved, v̄ dropped, splits merged without
 must fail the first check — that is what makes its tolerance meaningful.
 
 On a GPU the launch's key tile is 64 tokens: tests that want several splits of these short caches pass
-``block_n=16`` (INT8; INT4 K is read a 64-token group a tile).
+``block_n=16`` (INT8; the grouped formats, INT4 K and int8g K and V, are read a 64-token group a tile).
 """
 
 from __future__ import annotations
@@ -46,17 +46,22 @@ def fill(k, v, precision, capacity=None):
     buf = kv_reference.allocate(b, hk, capacity or n + 5, d, precision, DEVICE, k.dtype)
     buf.kq.fill_(99)  # garbage past the tokens
     buf.ks.fill_(1e6)
-    buf.vq.copy_(torch.full_like(buf.vs[..., None], 448.0).expand(buf.vq.shape))
+    if buf.vq.dtype == torch.uint8:
+        buf.vq.fill_(200)
+    else:
+        buf.vq.copy_(torch.full_like(buf.vs[..., None], 448.0).expand(buf.vq.shape))
     buf.vs.fill_(1e6)
-    if buf.k_recent is not None:
-        buf.k_recent.fill_(1e6)
+    for recent in (buf.k_recent, buf.v_recent):
+        if recent is not None:
+            recent.fill_(1e6)
     decode_launch.append(k, v, k_bar, v_bar, buf, 0)
     return dict(buf=buf, k_bar=k_bar, v_bar=v_bar)
 
 
 def tiles(precision: str) -> dict:
-    """16-key tiles, so that short caches make several splits on a GPU too; INT4 reads its 64-token groups."""
-    return {} if precision == "int4" else {"block_n": 16}
+    """16-key tiles, so that short caches make several splits on a GPU too; grouped formats read their 64-token
+    groups."""
+    return {"block_n": 16} if precision == "int8" else {}
 
 
 def mismatch(out, ref) -> str | None:
@@ -84,6 +89,9 @@ CASES = [
     (1, 2, 2, 2, 19, 128, torch.float16, "int8", False, None),   # d128
     (1, 16, 2, 11, 29, 32, torch.bfloat16, "int4", False, 2),    # GQA 8 · q_len 11 → query chunks
     (2, 8, 2, 2, 200, 64, torch.bfloat16, "int4", True, 3),      # INT4: 3 groups and 8 recent tokens, 3 splits
+    (1, 8, 2, 1, 200, 64, torch.bfloat16, "int8g", True, 3),     # 8-bit K and V groups: 3 groups, 8 recent, splits
+    (2, 4, 4, 3, 70, 128, torch.float16, "int8g", False, None),  # d128, a group and 6 recent tokens, 3 queries
+    (2, 4, 1, 7, 61, 40, torch.float32, "int8g", True, 2),       # head dim padded, only recent tokens
 ]
 
 
@@ -113,7 +121,12 @@ def test_decode_matches_float64(seed, case):
     exact = reference.exact_attention(q, k.to(dtype), v.to(dtype), is_causal=nq > 1, kv_start=kv_start,
                                       kv_end=kv_end).transpose(1, 2)
     rel = accuracy(out, exact).rel_l1
-    assert rel < (0.03 if precision == "int8" else 0.2), rel
+    assert rel < FORMAT_REL_L1[precision], rel
+
+
+# The formats' own error, relative L1 against exact attention over these inputs: per-token INT8 K and FP8 V
+# (FP8's 3 mantissa bits dominate), 4-bit K groups, 8-bit K and V groups (a step of a channel's range / 255).
+FORMAT_REL_L1 = {"int8": 0.03, "int4": 0.2, "int8g": 0.01}
 
 
 def test_rows_without_keys_are_zero(seed):
@@ -130,11 +143,11 @@ def test_rows_without_keys_are_zero(seed):
     assert mismatch(out, ref) is None, mismatch(out, ref)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_split_merge_matches_reference_call_after_call(seed, precision):
     """The splits merged in the decode launch (by the last split program to arrive) match the reference,
     and a second call gives the same bits: the arrival counters are left at zero for the next launch."""
-    n = 75 if precision == "int8" else 300  # several tiles: 16 keys (INT8), 64 (INT4)
+    n = 75 if precision == "int8" else 300  # several tiles: 16 keys (INT8), 64 (grouped)
     k, v = outlier_kv(2, 2, n, 64)
     st = fill(k, v, precision)
     q = torch.randn(2, 8, 3, 64, device=DEVICE, dtype=torch.bfloat16)
@@ -186,7 +199,7 @@ def test_split_count_fills_the_gpu_without_overshooting(b, hk, nq, nk):
         assert splits <= max(cfg["MAX_SPLITS"], -(-sms // programs))
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_token_count_read_from_device_memory(seed, precision):
     """A static cache's path: the append kernel takes its first slot, and the decode kernel the cached token
     count, from a device tensor (so a CUDA graph replays them as the cache grows). The storage is the one
@@ -216,7 +229,7 @@ def test_token_count_read_from_device_memory(seed, precision):
         assert mismatch(out, ref) is None, (nq, mismatch(out, ref))
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_append_matches_reference_and_appends_in_place(seed, precision):
     """Appending in pieces (a prefill, single tokens, chunks; INT4 groups completed across appends) with the
     centers of the first equals the reference's appends; slots past the tokens stay untouched."""
@@ -227,29 +240,41 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
     for lo, hi in ((30, 63), (63, 64), (64, 65), (65, 141)):
         decode_launch.append(k[:, :, lo:hi], v[:, :, lo:hi], st["k_bar"], st["v_bar"], st["buf"], lo)
         kv_reference.append(k[:, :, lo:hi], v[:, :, lo:hi], st["k_bar"], st["v_bar"], ref, lo)
-    buf, n = st["buf"], 141
-    scales = n // kv_reference.GROUP if precision == "int4" else n
-    packed = scales * kv_reference.GROUP if precision == "int4" else n  # INT4: the whole groups' slots
-    assert torch.equal(buf.kq[:, :, :packed], ref.kq[:, :, :packed])
-    assert torch.equal(buf.ks[:, :, :scales], ref.ks[:, :, :scales])
-    if precision == "int4":
-        assert torch.equal(buf.k_recent[:, :, : n - scales * kv_reference.GROUP],
-                           ref.k_recent[:, :, : n - scales * kv_reference.GROUP])
-    torch.testing.assert_close(buf.vs[:, :, :n], ref.vs[:, :, :n], rtol=1e-6, atol=0)
-    assert (buf.vq[:, :, :n].float() - ref.vq[:, :, :n].float()).abs().max() <= 16.0  # ≤ one FP8 step at the top
-    assert (buf.vq[:, :, :n].float() != ref.vq[:, :, :n].float()).float().mean() < 1e-3
-    assert (buf.kq[:, :, packed:] == 99).all()  # slots past the quantized tokens untouched
-    # the storage decodes back to the inputs within the format's resolution: half a grid step
-    back = kv_reference.dequantize_k(buf, 48, n) + st["k_bar"][:, :, None]
-    if precision == "int4":
-        step = buf.ks[:, :, :scales, 0].float().repeat_interleave(kv_reference.GROUP, dim=2)
-        step = torch.cat([step, step.new_zeros(2, 3, n - step.shape[2], 48)], dim=2)  # recent tokens: exact
-    else:
-        step = buf.ks[:, :, :n, None]
-    assert ((back - k).abs() <= 0.5 * step * 1.0001 + 1e-5).all()
+    buf, n, group = st["buf"], 141, kv_reference.GROUP
+    whole = n // group * group  # grouped: the slots of the whole groups, quantized; the rest in the recent rows
+    for name, grouped in (("k", kv_reference.k_grouped(precision)), ("v", kv_reference.v_grouped(precision))):
+        values, scales = getattr(buf, name + "q"), getattr(buf, name + "s")
+        want_values, want_scales = getattr(ref, name + "q"), getattr(ref, name + "s")
+        if grouped:  # bit for bit, and the incomplete group's rows
+            assert torch.equal(values[:, :, :whole], want_values[:, :, :whole]), name
+            assert torch.equal(scales[:, :, : n // group], want_scales[:, :, : n // group]), name
+            recent, want_recent = getattr(buf, name + "_recent"), getattr(ref, name + "_recent")
+            assert torch.equal(recent[:, :, : n - whole], want_recent[:, :, : n - whole]), name
+            assert (values[:, :, whole:] == (99 if name == "k" else 200)).all()  # slots past them untouched
+        elif name == "k":
+            assert torch.equal(values[:, :, :n], want_values[:, :, :n]) and torch.equal(scales[:, :, :n], want_scales[:, :, :n])
+            assert (values[:, :, n:] == 99).all()
+        else:  # FP8 V: the GPU's conversion and the CPU's may differ at a few rounding ties
+            torch.testing.assert_close(scales[:, :, :n], want_scales[:, :, :n], rtol=1e-6, atol=0)
+            assert (values[:, :, :n].float() - want_values[:, :, :n].float()).abs().max() <= 16.0  # ≤ a step at the top
+            assert (values[:, :, :n].float() != want_values[:, :, :n].float()).float().mean() < 1e-3
+    # the storage decodes back to the inputs within the format's resolution: half a grid step (the recent rows
+    # exact to their dtype's rounding)
+    for name, original, center in (("k", k, st["k_bar"]), ("v", v, st["v_bar"])):
+        grouped = (kv_reference.k_grouped if name == "k" else kv_reference.v_grouped)(precision)
+        if name == "v" and not grouped:
+            continue  # FP8: a relative step, covered by the attention tests
+        back = getattr(kv_reference, "dequantize_" + name)(buf, 48, n) + center[:, :, None]
+        scales = getattr(buf, name + "s")
+        if grouped:
+            step = scales[:, :, : n // group, 0].float().repeat_interleave(group, dim=2)
+            step = torch.cat([step, step.new_zeros(2, 3, n - whole, 48)], dim=2)
+        else:
+            step = scales[:, :, :n, None]
+        assert ((back - original).abs() <= 0.5 * step * 1.0001 + 1e-5).all(), name
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("token", [3, 29])  # of the 30 appended: slot 103 (INT4: a group completed), 129 (still open)
@@ -257,8 +282,10 @@ def test_a_non_finite_token_reaches_attention_as_nan(seed, precision, where, bad
     """One appended token with a NaN or ±Inf in K or V (after the centers were fixed): the queries of that
     sequence's KV head come out NaN, the other sequence stays finite (the GPU's max ignores NaN, so a scale taken
     from it would quantize the bad value away). Quantized, a bad value poisons its token's (or INT4 group's) scale:
-    every such query is NaN. An INT4 group still open holds K exactly, so +Inf there acts as in full precision:
-    NaN where q points at it (score +∞), an ignored key where q points away (−∞)."""
+    every such query is NaN. A group still open holds K exactly, so +Inf there acts as in full precision:
+    NaN where q points at it (score +∞), an ignored key where q points away (−∞). int8g's V is grouped per
+    channel: a bad value poisons its channel's scale, or (open group) is held exactly — either way only that
+    channel of the output is non-finite, as in full precision."""
     k, v = outlier_kv(2, 2, 130, 32)
     st = fill(k[:, :, :100], v[:, :, :100], precision, capacity=192)
     poisoned = (k if where == "k" else v)[:, :, 100:].clone()
@@ -267,8 +294,13 @@ def test_a_non_finite_token_reaches_attention_as_nan(seed, precision, where, bad
     decode_launch.append(new_k, new_v, st["k_bar"], st["v_bar"], st["buf"], 100)
     q = torch.randn(2, 4, 1, 32, device=DEVICE)
     out = decode_launch.decode(q, st["buf"], st["v_bar"], 130)  # (B, Nq, Hq, D); heads 0–1 read KV head 0
+    if precision == "int8g" and where == "v":
+        assert not torch.isfinite(out[0, 0, :2, 5]).any()
+        assert torch.isfinite(out[0, 0, :2, :5]).all() and torch.isfinite(out[0, 0, :2, 6:]).all()
+        assert torch.isfinite(out[0, :, 2:]).all() and torch.isfinite(out[1]).all()
+        return
     nan_rows = torch.ones(2, dtype=torch.bool, device=DEVICE)
-    if precision == "int4" and token == 29 and where == "k" and bad == float("inf"):
+    if precision != "int8" and token == 29 and where == "k" and bad == float("inf"):
         nan_rows = q[0, :2, 0, 5] > 0
     assert torch.equal(torch.isnan(out[0, 0, :2]).all(-1), nan_rows), (out[0, 0, :2, 0], q[0, :2, 0, 5])
     assert torch.isfinite(out[0, 0, :2][~nan_rows]).all()
@@ -287,13 +319,16 @@ MUTATIONS = {
                                 else ("((wide >> 4) & 15)", "(wide >> 4)")),
     "int4 recent tokens skipped": ("for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):",
                                    "for start in range(hi, hi, BLOCK_N):"),
+    "int8g V zero point dropped": ("axis=1)[:, None] * zero[None, :]", "axis=1)[:, None] * 0.0 * zero[None, :]"),
+    "int8g K zero point dropped": ("qk = qk + tl.sum(qf * zero[None, :], axis=1)[:, None]", "qk = qk + 0.0"),
+    "int8g V scale dropped": ("pv = pv * scale[None, :]", "pv = pv * 0.01"),
 }
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
-    precision = "int4" if "int4" in name else "int8"
-    n = 45 if precision == "int8" else 100  # INT4: a group and 36 recent tokens
+    precision = next((p for p in ("int8g", "int4") if p in name), "int8")
+    n = 45 if precision == "int8" else 100  # grouped: a group and 36 recent tokens
     k, v = outlier_kv(1, 2, n, 32)
     q = torch.randn(1, 4, 5, 32, device=DEVICE, dtype=torch.float16)
     st = fill(k, v, precision)
@@ -329,7 +364,7 @@ def test_a_growing_cache_compiles_no_new_decode_kernel():
     assert len(kernel_cache) == compiled
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_head_dim_256_with_several_query_tokens(seed, precision):
     """d256, three query tokens, GQA 16:1, splits: compiles on the GPU (the d128 register cap made ptxas refuse
     INT4) and matches the reference."""
@@ -343,7 +378,7 @@ def test_head_dim_256_with_several_query_tokens(seed, precision):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bound launches skip Triton's path on a GPU only")
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_bound_launches_of_a_cache_layer_match_triton_launches(seed, precision, monkeypatch):
     """A cache layer's eager steps launch from its memo of bound launches (``launches``): the same storage and
     outputs, bit for bit, as Triton's own launches (``HF_QATTN_FAST_LAUNCH=0``) of the same steps, over steps that
@@ -371,7 +406,7 @@ def test_bound_launches_of_a_cache_layer_match_triton_launches(seed, precision, 
         store, got = step(bound, k1, v1, q, "1")
         want_store, want = step(triton_path, k1, v1, q, "0")
         assert torch.equal(got, want), f"output of step {i}"
-        for a, b in zip(store[1:6], want_store[1:6]):
+        for a, b in zip(store[1:7], want_store[1:7]):
             if a is not None:
                 assert torch.equal(a, b), f"storage after step {i}"
     assert launcher.direct >= direct + 50

@@ -8,13 +8,14 @@
 Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or, where the model's plan
 (``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, in 4 bits per channel over groups of 64
 tokens with a scale and zero point each (KIVI's layout; the newest tokens of an incomplete group wait in
-full precision), and V − v̄ in FP8 E4M3 with one scale per token. k̄, v̄ are per-(batch, head, channel)
-centers fixed at the first fill. Every token is quantized once, when it is appended, INT4 K when its group
-completes (``kernels/decode.py``; the format in ``reference.py``).
+full precision), and V − v̄ in FP8 E4M3 with one scale per token; or, with ``int8_layout="groups"``, a layer
+marked ``int8`` keeps both K − k̄ and V − v̄ in 8 bits per channel over 64-token groups (``int8g``). k̄, v̄ are
+per-(batch, head, channel) centers fixed at the first fill. Every token is quantized once, when it is appended,
+a grouped tensor when its group completes (``kernels/decode.py``; the formats in ``reference.py``).
 Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
 the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
-that span rounded up to a whole 16-token block. A ring does not keep INT4's groups of consecutive tokens,
-so such a layer stores INT8 K where the plan says ``int4`` (``precisions()`` shows it). Layers the plan
+that span rounded up to a whole 16-token block. A ring does not keep groups of consecutive tokens, so such a
+layer stores INT8 K and FP8 V where the plan says ``int4`` or the layout groups (``precisions()`` shows it). Layers the plan
 marks unquantized keep transformers' full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
 attention, ...) keep transformers' own layer class.
 
@@ -72,7 +73,7 @@ class CacheStorage(NamedTuple):
     """A read view of a :class:`QAttnLayer`'s storage (the tensors themselves, not copies; only the layer
     writes them): what the attention over the cache reads.
 
-    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent`` as :class:`reference.Buffers` (which the kernels
+    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent``, ``v_recent`` as :class:`reference.Buffers` (which the kernels
     take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached.
     ``device_length``: the same count as a (1,) int32 tensor on the device with static storage, else None.
     """
@@ -83,6 +84,7 @@ class CacheStorage(NamedTuple):
     vq: torch.Tensor
     vs: torch.Tensor
     k_recent: torch.Tensor | None
+    v_recent: torch.Tensor | None
     k_bar: torch.Tensor
     v_bar: torch.Tensor
     length: int
@@ -92,7 +94,8 @@ class CacheStorage(NamedTuple):
 
 
 class QAttnLayer(CacheLayerMixin):
-    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V (``reference.Buffers``), fixed centers.
+    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V, or 8-bit K and V groups (``reference.Buffers``),
+    fixed centers.
 
     The storage is the layer's own: it writes it in :meth:`update` (and ``crop``, ``reset``, the batch
     selections); the attention reads it through :meth:`storage`, and a replayed CUDA graph step reports
@@ -104,9 +107,10 @@ class QAttnLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, precision: str = "int8", max_len: int | None = None, center_sample: int | None = CENTER_SAMPLE):
+        """``precision``: one of ``reference.PRECISIONS`` (the storage formats its docstring lists)."""
         super().__init__()
-        if precision not in ("int8", "int4"):
-            raise ValueError(f"precision must be 'int8' or 'int4' for a quantized layer; got {precision!r}")
+        if precision not in reference.PRECISIONS:
+            raise ValueError(f"precision must be one of {reference.PRECISIONS} for a quantized layer; got {precision!r}")
         self.precision = precision
         self.max_len = max_len
         self.center_sample = center_sample
@@ -128,7 +132,7 @@ class QAttnLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
         if value_states.shape[-1] != self.head_dim:
             raise QAttnCacheError("QAttnCache needs the same head dim for keys and values")
-        if self.precision == "int4" and self.head_dim > 256:
+        if reference.k_grouped(self.precision) and self.head_dim > 256:
             raise QAttnCacheError("QAttnCache supports head dims up to 256")
         if self.max_len is not None:
             self._allocate(self.max_len)
@@ -140,12 +144,14 @@ class QAttnLayer(CacheLayerMixin):
         self._buffers = reference.allocate(self.batch_size, self.num_heads, capacity, self.head_dim, self.precision,
                                            self.device, self.dtype)
         if old is not None and self._length:
-            n = self._length
-            kept = n // reference.GROUP if self.precision == "int4" else n  # INT4 scales: a row per whole group
-            for new, prev, rows in zip(self._buffers[1:5], old[1:5], (n, kept, n, n)):
+            n, groups = self._length, self._length // reference.GROUP
+            k_rows = groups if reference.k_grouped(self.precision) else n  # grouped scales: a row per whole group
+            v_rows = groups if reference.v_grouped(self.precision) else n
+            for new, prev, rows in zip(self._buffers[1:5], old[1:5], (n, k_rows, n, v_rows)):
                 new[:, :, :rows].copy_(prev[:, :, :rows])
-            if old.k_recent is not None:
-                self._buffers.k_recent.copy_(old.k_recent)
+            for new, prev in zip(self._buffers[5:], old[5:]):
+                if prev is not None:
+                    new.copy_(prev)
         self._capacity = self._buffers.kq.shape[2]  # INT4 rounds up to whole groups
         self._launches = {}
 
@@ -234,14 +240,17 @@ class QAttnLayer(CacheLayerMixin):
         length = max(0, self._length + tokens_to_remove)
         group = reference.GROUP
         first = length // group * group
-        if self.precision == "int4" and length % group and first + group <= self._length:
-            # back inside a group quantized already: its kept tokens wait in k_recent again (dequantized, so
-            # they are quantized twice when the group completes anew)
-            buf = self._buffers
-            whole = reference.Buffers("int4", buf.kq[:, :, first: first + group],
-                                      buf.ks[:, :, first // group: first // group + 1], buf.vq, buf.vs, buf.k_recent)
-            buf.k_recent[:, :, : length - first] = reference.dequantize_k(whole, self.head_dim, group)[
-                :, :, : length - first].to(buf.k_recent.dtype)
+        if reference.k_grouped(self.precision) and length % group and first + group <= self._length:
+            # back inside a group quantized already: a grouped tensor's kept tokens wait in its recent rows again
+            # (dequantized, so they are quantized twice when the group completes anew)
+            buf, kept, at = self._buffers, length - first, slice(first // group, first // group + 1)
+            one = buf._replace(kq=buf.kq[:, :, first: first + group], vq=buf.vq[:, :, first: first + group],
+                               ks=buf.ks[:, :, at] if reference.k_grouped(self.precision) else buf.ks,
+                               vs=buf.vs[:, :, at] if reference.v_grouped(self.precision) else buf.vs)
+            if reference.k_grouped(self.precision):
+                buf.k_recent[:, :, :kept] = reference.dequantize_k(one, self.head_dim, group)[:, :, :kept]
+            if reference.v_grouped(self.precision):
+                buf.v_recent[:, :, :kept] = reference.dequantize_v(one, self.head_dim, group)[:, :, :kept]
         self._length = length
         if self._device_length is not None:
             self._device_length.fill_(self._length)
@@ -282,21 +291,21 @@ class QAttnLayer(CacheLayerMixin):
                             self._device_length, self._launches)
 
     def nbytes(self, used: bool = False) -> int:
-        """Bytes of the storage: quantized K and V, their scales, INT4's incomplete group, the centers — as
+        """Bytes of the storage: quantized K and V, their scales, a grouped format's incomplete group, the centers — as
         allocated (the whole capacity: what the cache takes from the device), or with ``used`` only the cached
         tokens' share of what grows with the tokens."""
         if self._buffers is None:
             return 0
         buf = self._buffers
         slots = sum(t.numel() * t.element_size() for t in buf[1:5])  # kq, ks, vq, vs: in proportion to capacity
-        fixed = sum(t.numel() * t.element_size() for t in (buf.k_recent, self._k_bar, self._v_bar) if t is not None)
+        fixed = sum(t.numel() * t.element_size() for t in (buf.k_recent, buf.v_recent, self._k_bar, self._v_bar) if t is not None)
         return (slots * self._length) // self._capacity + fixed if used else slots + fixed
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
         n = self._length
         k = reference.dequantize_k(self._buffers, self.head_dim, n)
-        v = reference.dequantize_v(self._buffers.vq[:, :, :n], self._buffers.vs[:, :, :n])
+        v = reference.dequantize_v(self._buffers, self.head_dim, n)
         return (k + self._k_bar[:, :, None]).to(self.dtype), (v + self._v_bar[:, :, None]).to(self.dtype)
 
 
@@ -327,7 +336,7 @@ class QAttnWindowLayer(QAttnLayer):
     is_sliding = True
 
     def __init__(self, kind: str, span: int, precision: str = "int8", center_sample: int | None = CENTER_SAMPLE):
-        if precision == "int4":  # INT4 K's groups are runs of consecutive slots and tokens, which a ring breaks
+        if reference.k_grouped(precision):  # groups are runs of consecutive slots and tokens, which a ring breaks
             precision = "int8"
         if kind not in WINDOW_KINDS:
             raise ValueError(f"kind must be one of {WINDOW_KINDS}; got {kind!r}")
@@ -482,7 +491,7 @@ class QAttnWindowLayer(QAttnLayer):
         held = positions >= first
         slots = torch.where(held, positions % self.span, 0)
         k = reference.dequantize_k(self._buffers, self.head_dim, count, slots=slots)
-        v = reference.dequantize_v(self._buffers.vq[:, :, slots], self._buffers.vs[:, :, slots])
+        v = reference.dequantize_v(self._buffers, self.head_dim, count, slots=slots)
         k = torch.where(held[:, None], k + self._k_bar[:, :, None], 0.0)
         v = torch.where(held[:, None], v + self._v_bar[:, :, None], 0.0)
         return k.to(self.dtype), v.to(self.dtype)
@@ -545,10 +554,19 @@ class QAttnCache(Cache):
         static_max_len: preallocate storage for this many tokens per layer (no reallocation; a sliding-window or
             chunked layer: its span, with its read count and next slot in device memory).
         center_sample: tokens sampled for the centers k̄, v̄ (None: all tokens of the first fill).
+        int8_layout: how a full-attention layer the plan marks ``int8`` is stored: ``"tokens"`` (INT8 K and FP8 V,
+            one scale a token) or ``"groups"`` (8-bit K and V per channel over 64-token groups, the newest group
+            in full precision: the ``int8g`` precision; greedy continuations on SmolLM2 stay with the float32
+            cache's far longer, eval/results/cache-accuracy-*). Sliding-window and chunked layers keep tokens.
     """
 
+    INT8_LAYOUTS = {"tokens": "int8", "groups": "int8g"}
+
     def __init__(self, model_or_config, plan=None, static_max_len: int | None = None,
-                 center_sample: int | None = CENTER_SAMPLE):
+                 center_sample: int | None = CENTER_SAMPLE, int8_layout: str = "tokens"):
+        if int8_layout not in self.INT8_LAYOUTS:
+            raise ValueError(f"int8_layout must be one of {tuple(self.INT8_LAYOUTS)}; got {int8_layout!r}")
+        self._int8_precision = self.INT8_LAYOUTS[int8_layout]
         if get_layer_types_and_kwargs is None:
             raise ImportError("hf_qattn.QAttnCache needs transformers >= 5.0")
         config = getattr(model_or_config, "config", model_or_config)
@@ -565,6 +583,8 @@ class QAttnCache(Cache):
     def _make_layer(self, index: int, kind: str = "full_attention", kwargs: dict | None = None):
         precision = self.plan.precision(index) if self.plan is not None else "int8"
         quantized = precision in ("int8", "int4")
+        if precision == "int8":
+            precision = self._int8_precision
         if kind == "full_attention" and quantized:
             return QAttnLayer(precision, self._static_max_len, self._center_sample)
         if kind == "full_attention":
@@ -598,7 +618,7 @@ class QAttnCache(Cache):
         self._static_max_len = max(self._static_max_len or 0, tokens)
 
     def precisions(self) -> list[str]:
-        """Storage of each layer: "int8", "int4", or the name of the unquantized layer class."""
+        """Storage of each layer: "int8", "int4", "int8g", or the name of the unquantized layer class."""
         return [layer.precision if isinstance(layer, QAttnLayer) else type(layer).__name__ for layer in self.layers]
 
     def nbytes(self, per_layer: bool = False, used: bool = False):

@@ -1,20 +1,24 @@
 """The quantized KV cache's math in plain PyTorch: the reference for the cache kernels and the CPU path.
 
-Storage of one layer (:class:`Buffers`, see also ``kernels/decode.py``), B batch, H heads, CAP slots:
+Storage of one layer (:class:`Buffers`, see also ``kernels/decode.py``), B batch, H heads, CAP slots, by
+precision:
 
-- INT8 K: ``kq`` (B, H, CAP, D) int8 = round((K − k̄) / δK) (±127), ``ks`` (B, H, CAP) fp32 δK per token;
-- INT4 K, per channel over groups of ``GROUP`` consecutive slots (KIVI's layout): ``kq`` (B, H, CAP, D_PAD/2)
+- ``int8``: K − k̄ in ``kq`` (B, H, CAP, D) int8 = round((K − k̄) / δK) (±127), ``ks`` (B, H, CAP) fp32 δK per
+  token; V − v̄ in ``vq`` (B, H, CAP, D) FP8 E4M3 over ``vs`` (B, H, CAP) fp32 δV per token (max |V − v̄| / 448);
+- ``int4``: K per channel over groups of ``GROUP`` consecutive slots (KIVI's layout): ``kq`` (B, H, CAP, D_PAD/2)
   holds u ∈ [0, 15] two a byte (channel c in the low nibble, c + D_PAD/2 in the high one), ``ks``
-  (B, H, CAP/GROUP, 2, D) bf16 each (group, channel)'s scale and zero point, K − k̄ ≈ zero + u · scale.
-  A group is quantized when its last token arrives; until then its tokens are ``k_recent`` (B, H, GROUP,
-  D), K − k̄ in the model's dtype, so the first ``length // GROUP`` groups are quantized and the rest
-  (fewer than GROUP tokens) is read from ``k_recent``;
-- V: ``vq`` (B, H, CAP, D) FP8 E4M3 = (V − v̄) / δV, ``vs`` (B, H, CAP) fp32 δV per token (max |V − v̄| / 448).
+  (B, H, CAP/GROUP, 2, D) bf16 each (group, channel)'s scale and zero point, K − k̄ ≈ zero + u · scale; V as int8;
+- ``int8g``: K and V both per channel over groups, 8 bits: ``kq`` / ``vq`` (B, H, CAP, D) uint8 u ∈ [0, 255],
+  ``ks`` / ``vs`` (B, H, CAP/GROUP, 2, D) bf16 scale and zero.
+
+A grouped tensor's group is quantized when its last token arrives; until then its tokens are ``k_recent``
+(and ``v_recent``) (B, H, GROUP, D), K − k̄ (V − v̄) in the model's dtype, so the first ``length // GROUP``
+groups are quantized and the rest (fewer than GROUP tokens) is read from the recent rows.
 
 k̄ and v̄ are per-(batch, head, channel) centers fixed when the layer is first filled.
 
-Attention over the cache:  O = softmax(sm_scale · q · K̂ᵀ) · (V̂·δV) + v̄, K̂ the stored K − k̄ dequantized —
-the k̄ term adds q·k̄ to a whole row of scores, which the softmax ignores.
+Attention over the cache:  O = softmax(sm_scale · q · K̂ᵀ) · V̂ + v̄, K̂ / V̂ the stored K − k̄ / V − v̄
+dequantized — the k̄ term adds q·k̄ to a whole row of scores, which the softmax ignores.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import NamedTuple
 import torch
 
 from ..masks import visible_keys
-from ..kernels.formats import FP8_E4M3_MAX as FP8_MAX, INT_MAX, KV_INT4_GROUP as GROUP, KV_INT4_LEVELS, padded_head_dim
+from ..kernels.formats import (FP8_E4M3_MAX as FP8_MAX, INT_MAX, KV_GROUP as GROUP, KV_GROUP_DIRECTED, KV_GROUP_LEVELS,
+                               padded_head_dim)
 from ..quant import SCALE_FLOOR, reciprocal
 
-PRECISIONS = ("int8", "int4")
+PRECISIONS = ("int8", "int4", "int8g")
 
 
 class Buffers(NamedTuple):
@@ -39,34 +44,54 @@ class Buffers(NamedTuple):
     ks: torch.Tensor
     vq: torch.Tensor
     vs: torch.Tensor
-    k_recent: torch.Tensor | None  # INT4 only: K − k̄ of the incomplete group
+    k_recent: torch.Tensor | None  # grouped K (int4, int8g): K − k̄ of the incomplete group
+    v_recent: torch.Tensor | None = None  # grouped V (int8g): V − v̄ of the incomplete group
+
+
+def k_grouped(precision: str) -> bool:
+    return precision in ("int4", "int8g")
+
+
+def v_grouped(precision: str) -> bool:
+    return precision == "int8g"
 
 
 def block_tokens(precision: str) -> int:
-    """Capacities are whole multiples of this: INT4's groups, else 16-token blocks (the per-token scales'
-    strides stay divisible by 16, so no kernel meets a new specialization as a cache grows)."""
-    return GROUP if precision == "int4" else 16
+    """Capacities are whole multiples of this: the groups of a grouped precision, else 16-token blocks (the
+    per-token scales' strides stay divisible by 16, so no kernel meets a new specialization as a cache grows)."""
+    return GROUP if k_grouped(precision) else 16
 
 
 def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: str, device,
              recent_dtype: torch.dtype = torch.bfloat16) -> Buffers:
-    """Zeroed storage for at least ``capacity`` tokens: exactly that many, or for INT4 whole groups (the decode
-    kernel reads a group a tile); the capacity is ``kq.shape[2]``."""
+    """Zeroed storage for at least ``capacity`` tokens: exactly that many, or for a grouped precision whole
+    groups (the decode kernel reads a group a tile); the capacity is ``kq.shape[2]``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     b, h, d = batch, heads, head_dim
-    if precision == "int4":
+    if k_grouped(precision):
         capacity = -(-capacity // GROUP) * GROUP
-        kq = torch.zeros(b, h, capacity, padded_head_dim(d) // 2, device=device, dtype=torch.int8)
-        ks = torch.zeros(b, h, capacity // GROUP, 2, d, device=device, dtype=torch.bfloat16)
-        k_recent = torch.zeros(b, h, GROUP, d, device=device, dtype=recent_dtype)
+
+    def groups(values_shape, dtype):  # (values, scale and zero per group and channel, the incomplete group)
+        return (torch.zeros(b, h, capacity, values_shape, device=device, dtype=dtype),
+                torch.zeros(b, h, capacity // GROUP, 2, d, device=device, dtype=torch.bfloat16),
+                torch.zeros(b, h, GROUP, d, device=device, dtype=recent_dtype))
+
+    if precision == "int4":
+        kq, ks, k_recent = groups(padded_head_dim(d) // 2, torch.int8)
+    elif precision == "int8g":
+        kq, ks, k_recent = groups(d, torch.uint8)
     else:
         kq = torch.zeros(b, h, capacity, d, device=device, dtype=torch.int8)
         ks = torch.zeros(b, h, capacity, device=device, dtype=torch.float32)
         k_recent = None
-    vq = torch.zeros(b, h, capacity, d, device=device, dtype=torch.float8_e4m3fn)
-    vs = torch.zeros(b, h, capacity, device=device, dtype=torch.float32)
-    return Buffers(precision, kq, ks, vq, vs, k_recent)
+    if v_grouped(precision):
+        vq, vs, v_recent = groups(d, torch.uint8)
+    else:
+        vq = torch.zeros(b, h, capacity, d, device=device, dtype=torch.float8_e4m3fn)
+        vs = torch.zeros(b, h, capacity, device=device, dtype=torch.float32)
+        v_recent = None
+    return Buffers(precision, kq, ks, vq, vs, k_recent, v_recent)
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -90,20 +115,41 @@ def centers(k: torch.Tensor, v: torch.Tensor, sample: int | None = 256):
     return smoothing_center(k, sample).contiguous(), smoothing_center(v, sample).contiguous()
 
 
-def quantize_k_groups(kc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K − k̄ (…, n·GROUP, D) float32 of whole groups → (packed u (…, n·GROUP, D_PAD/2), scale and zero
-    (…, n, 2, D) bf16): per channel over each group, u = round((x − zero) / scale) ∈ [0, 15] with the bf16
-    scale and zero (what the kernel does, bit for bit)."""
-    *lead, t, d = kc.shape
-    x = kc.reshape(*lead, t // GROUP, GROUP, d)
-    low, high = x.amin(-2), x.amax(-2)
+def _bf16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 → bf16 rounded up (toward +∞) or down: to nearest, then one bf16 step the other way where that
+    went past x (bf16 bits as int16: one step away from 0 is +1 on the magnitude, the sign bit apart)."""
+    r = x.to(torch.bfloat16)
+    bits = r.view(torch.int16)
+    past = r.float() < x if up else r.float() > x
+    away = (bits >= 0) == up  # moving up from a positive value, or down from a negative one: magnitude grows
+    return torch.where(past, torch.where(away, bits + 1, bits - 1).view(torch.bfloat16), r)
+
+
+def quantize_groups(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (…, n·GROUP, D) float32 of whole groups → (u (…, n·GROUP, D) int16 in [0, levels], scale and zero
+    (…, n, 2, D) bf16) of the grouped ``precision``, per channel over each group: zero the min, scale (max − zero)
+    / levels, both in bf16 rounded as ``formats.KV_GROUP_DIRECTED`` says (directed: zero down, scale up), and
+    u = round((x − zero) / scale) clamped to [0, levels] — what the append kernel does, bit for bit."""
+    levels, directed = KV_GROUP_LEVELS[precision], KV_GROUP_DIRECTED[precision]
+    *lead, t, d = x.shape
+    x = x.reshape(*lead, t // GROUP, GROUP, d)
+    low = x.amin(-2)
+    zero = _bf16_toward(low, up=False) if directed else low.to(torch.bfloat16)
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which rounds differently
     # from the kernel's (and the CPU's) true division
-    scale = ((high - low).clamp_min(SCALE_FLOOR) / torch.full_like(high, KV_INT4_LEVELS)).to(torch.bfloat16)
-    zero = low.to(torch.bfloat16)
+    exact = (x.amax(-2) - (zero.float() if directed else low)).clamp_min(SCALE_FLOOR) / torch.full_like(low, levels)
+    scale = _bf16_toward(exact, up=True) if directed else exact.to(torch.bfloat16)
     u = torch.round((x - zero.float()[..., None, :]) * reciprocal(scale.float())[..., None, :])
-    u = u.clamp_(0, KV_INT4_LEVELS).reshape(*lead, t, d)
-    return pack_nibbles(u), torch.stack([scale, zero], dim=-2)
+    u = u.clamp_(0, levels).reshape(*lead, t, d).to(torch.int16)
+    return u, torch.stack([scale, zero], dim=-2)
+
+
+def dequantize_groups(u: torch.Tensor, params: torch.Tensor, dtype) -> torch.Tensor:
+    """u (…, n·GROUP, D) and (…, n, 2, D) scale and zero → zero + u · scale (…, n·GROUP, D) in ``dtype``."""
+    *lead, t, d = u.shape
+    params = params.to(dtype)
+    x = u.to(dtype).reshape(*lead, t // GROUP, GROUP, d) * params[..., 0, None, :] + params[..., 1, None, :]
+    return x.reshape(*lead, t, d)
 
 
 def quantize_k_tokens(kc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,58 +159,76 @@ def quantize_k_tokens(kc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(kc * reciprocal(ks)[..., None]).clamp_(-qmax, qmax).to(torch.int8), ks
 
 
-def quantize_v(v: torch.Tensor, v_bar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """V (B, H, N, D) → FP8 (V − v̄) / δV and δV (B, H, N) per token."""
-    vc = v.float() - v_bar[:, :, None, :]
+def quantize_v_tokens(vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V − v̄ (B, H, N, D) float32 → FP8 (V − v̄) / δV and δV (B, H, N) per token."""
     vs = vc.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX
     return (vc * reciprocal(vs)[..., None]).to(torch.float8_e4m3fn), vs
+
+
+def _append_groups(x: torch.Tensor, values: torch.Tensor, params: torch.Tensor, recent: torch.Tensor, pos0: int,
+                   precision: str) -> None:
+    """New rows x (B, H, N, D) float32 of a grouped tensor at slots [pos0, pos0 + N): they complete the group of
+    slot ``pos0`` (its earlier rows from ``recent``) and any later ones; whole groups are quantized, the rows of a
+    group still incomplete go to ``recent``."""
+    first = pos0 // GROUP * GROUP  # the group being filled
+    end = pos0 + x.shape[-2]
+    whole = end // GROUP * GROUP
+    span = torch.cat([recent[:, :, : pos0 - first].float(), x], dim=-2)  # slots [first, end)
+    if whole > first:
+        u, scale_zero = quantize_groups(span[:, :, : whole - first], precision)
+        values[:, :, first:whole] = pack_nibbles(u) if precision == "int4" else u.to(values.dtype)
+        params[:, :, first // GROUP: whole // GROUP] = scale_zero
+    if end > whole:
+        keep = max(whole, pos0)  # the incomplete group's new rows (its older ones are in recent already)
+        recent[:, :, keep - whole: end - whole] = span[:, :, keep - first:].to(recent.dtype)
 
 
 def append(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor, buffers: Buffers,
            pos0: int) -> None:
     """Quantize k, v (B, H, N, D) into slots [pos0, pos0 + N) of ``buffers``, in place: what the append kernel
-    does. INT4: tokens complete the group of slot ``pos0`` (its earlier tokens from ``k_recent``) and any later
-    ones; whole groups are quantized, the tokens of a group still incomplete go to ``k_recent``."""
+    does. Per-token formats quantize every token now; grouped ones a group when its last token arrives."""
     n = k.shape[-2]
     if n == 0:
         return
     kc = k.float() - k_bar[:, :, None, :]
-    buffers.vq[:, :, pos0: pos0 + n], buffers.vs[:, :, pos0: pos0 + n] = quantize_v(v, v_bar)
-    if buffers.precision == "int8":
+    vc = v.float() - v_bar[:, :, None, :]
+    p = buffers.precision
+    if k_grouped(p):
+        _append_groups(kc, buffers.kq, buffers.ks, buffers.k_recent, pos0, p)
+    else:
         buffers.kq[:, :, pos0: pos0 + n], buffers.ks[:, :, pos0: pos0 + n] = quantize_k_tokens(kc)
-        return
-    first = pos0 // GROUP * GROUP  # the group being filled
-    end = pos0 + n
-    whole = end // GROUP * GROUP
-    span = torch.cat([buffers.k_recent[:, :, : pos0 - first].float(), kc], dim=-2)  # slots [first, end)
-    if whole > first:
-        packed, params = quantize_k_groups(span[:, :, : whole - first])
-        buffers.kq[:, :, first:whole] = packed
-        buffers.ks[:, :, first // GROUP: whole // GROUP] = params
-    if end > whole:
-        keep = max(whole, pos0)  # the incomplete group's new tokens (its older ones are in k_recent already)
-        buffers.k_recent[:, :, keep - whole: end - whole] = span[:, :, keep - first:].to(buffers.k_recent.dtype)
+    if v_grouped(p):
+        _append_groups(vc, buffers.vq, buffers.vs, buffers.v_recent, pos0, p)
+    else:
+        buffers.vq[:, :, pos0: pos0 + n], buffers.vs[:, :, pos0: pos0 + n] = quantize_v_tokens(vc)
+
+
+def _read_groups(values, params, recent, precision: str, d: int, length: int, dtype) -> torch.Tensor:
+    whole = length // GROUP * GROUP
+    u = unpack_nibbles(values[:, :, :whole], d) if precision == "int4" else values[:, :, :whole, :d]
+    x = dequantize_groups(u, params[:, :, : whole // GROUP], dtype)
+    return torch.cat([x, recent[:, :, : length - whole].to(dtype)], dim=-2)
 
 
 def dequantize_k(buffers: Buffers, d: int, length: int, dtype=torch.float32, slots: torch.Tensor | None = None):
-    """K − k̄ as stored for the first ``length`` slots (INT4: the whole groups and the incomplete one from
-    ``k_recent``), or for the slots ``slots`` (INT8 only): (B, H, ·, D) in ``dtype``."""
-    if buffers.precision == "int8":
+    """K − k̄ as stored for the first ``length`` slots (grouped: the whole groups and the incomplete one from
+    ``k_recent``), or for the slots ``slots`` (per-token formats only): (B, H, ·, D) in ``dtype``."""
+    if not k_grouped(buffers.precision):
         index = slice(0, length) if slots is None else slots
         return buffers.kq[:, :, index, :d].to(dtype) * buffers.ks[:, :, index, None].to(dtype)
     if slots is not None:
-        raise ValueError("INT4 K is read in whole groups: dequantize_k takes a length, not slots")
-    whole = length // GROUP * GROUP
-    u = unpack_nibbles(buffers.kq[:, :, :whole], d).to(dtype)
-    b, h = u.shape[:2]
-    params = buffers.ks[:, :, : whole // GROUP].to(dtype)
-    k = (u.view(b, h, whole // GROUP, GROUP, d) * params[:, :, :, 0, None] + params[:, :, :, 1, None])
-    return torch.cat([k.view(b, h, whole, d), buffers.k_recent[:, :, : length - whole].to(dtype)], dim=-2)
+        raise ValueError("grouped K is read in whole groups: dequantize_k takes a length, not slots")
+    return _read_groups(buffers.kq, buffers.ks, buffers.k_recent, buffers.precision, d, length, dtype)
 
 
-def dequantize_v(vq: torch.Tensor, vs: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """V − v̄ as stored: (B, H, N, D) in ``dtype``."""
-    return vq.to(dtype) * vs[..., None].to(dtype)
+def dequantize_v(buffers: Buffers, d: int, length: int, dtype=torch.float32, slots: torch.Tensor | None = None):
+    """V − v̄ as stored, as :func:`dequantize_k`: (B, H, ·, D) in ``dtype``."""
+    if not v_grouped(buffers.precision):
+        index = slice(0, length) if slots is None else slots
+        return buffers.vq[:, :, index, :d].to(dtype) * buffers.vs[:, :, index, None].to(dtype)
+    if slots is not None:
+        raise ValueError("grouped V is read in whole groups: dequantize_v takes a length, not slots")
+    return _read_groups(buffers.vq, buffers.vs, buffers.v_recent, buffers.precision, d, length, dtype)
 
 
 def decode_attention(q, buffers: Buffers, v_bar, nk: int, *, sm_scale: float | None = None,
@@ -187,7 +251,7 @@ def decode_attention(q, buffers: Buffers, v_bar, nk: int, *, sm_scale: float | N
     groups = hq // hk
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     k = dequantize_k(buffers, d, nk, dtype)
-    v = dequantize_v(buffers.vq[:, :, :nk], buffers.vs[:, :, :nk], dtype)
+    v = dequantize_v(buffers, d, nk, dtype)
     if softcap is not None or sinks is not None:  # the true scores: capped, or compared with a sink
         if k_bar is None:
             raise ValueError("softcap and sinks need k_bar: their scores are those of K, not of the stored K − k̄")
