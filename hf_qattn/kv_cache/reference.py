@@ -203,32 +203,30 @@ def append(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.T
         buffers.vq[:, :, pos0: pos0 + n], buffers.vs[:, :, pos0: pos0 + n] = quantize_v_tokens(vc)
 
 
-def _read_groups(values, params, recent, precision: str, d: int, length: int, dtype) -> torch.Tensor:
+def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots: torch.Tensor | None):
+    """K − k̄ (``which`` "k") or V − v̄ ("v") as stored: per token, or grouped (the whole groups and the incomplete
+    one from the recent rows)."""
+    values, scales = getattr(buffers, which + "q"), getattr(buffers, which + "s")
+    if not (k_grouped if which == "k" else v_grouped)(buffers.precision):
+        index = slice(0, length) if slots is None else slots
+        return values[:, :, index, :d].to(dtype) * scales[:, :, index, None].to(dtype)
+    if slots is not None:
+        raise ValueError(f"grouped {which.upper()} is read in whole groups: dequantize_{which} takes a length, not slots")
     whole = length // GROUP * GROUP
-    u = unpack_nibbles(values[:, :, :whole], d) if precision == "int4" else values[:, :, :whole, :d]
-    x = dequantize_groups(u, params[:, :, : whole // GROUP], dtype)
-    return torch.cat([x, recent[:, :, : length - whole].to(dtype)], dim=-2)
+    u = unpack_nibbles(values[:, :, :whole], d) if buffers.precision == "int4" else values[:, :, :whole, :d]
+    x = dequantize_groups(u, scales[:, :, : whole // GROUP], dtype)
+    return torch.cat([x, getattr(buffers, which + "_recent")[:, :, : length - whole].to(dtype)], dim=-2)
 
 
 def dequantize_k(buffers: Buffers, d: int, length: int, dtype=torch.float32, slots: torch.Tensor | None = None):
-    """K − k̄ as stored for the first ``length`` slots (grouped: the whole groups and the incomplete one from
-    ``k_recent``), or for the slots ``slots`` (per-token formats only): (B, H, ·, D) in ``dtype``."""
-    if not k_grouped(buffers.precision):
-        index = slice(0, length) if slots is None else slots
-        return buffers.kq[:, :, index, :d].to(dtype) * buffers.ks[:, :, index, None].to(dtype)
-    if slots is not None:
-        raise ValueError("grouped K is read in whole groups: dequantize_k takes a length, not slots")
-    return _read_groups(buffers.kq, buffers.ks, buffers.k_recent, buffers.precision, d, length, dtype)
+    """K − k̄ as stored for the first ``length`` slots, or for the slots ``slots`` (per-token formats only):
+    (B, H, ·, D) in ``dtype``."""
+    return _dequantize(buffers, "k", d, length, dtype, slots)
 
 
 def dequantize_v(buffers: Buffers, d: int, length: int, dtype=torch.float32, slots: torch.Tensor | None = None):
-    """V − v̄ as stored, as :func:`dequantize_k`: (B, H, ·, D) in ``dtype``."""
-    if not v_grouped(buffers.precision):
-        index = slice(0, length) if slots is None else slots
-        return buffers.vq[:, :, index, :d].to(dtype) * buffers.vs[:, :, index, None].to(dtype)
-    if slots is not None:
-        raise ValueError("grouped V is read in whole groups: dequantize_v takes a length, not slots")
-    return _read_groups(buffers.vq, buffers.vs, buffers.v_recent, buffers.precision, d, length, dtype)
+    """V − v̄ as stored, as :func:`dequantize_k`."""
+    return _dequantize(buffers, "v", d, length, dtype, slots)
 
 
 def decode_attention(q, buffers: Buffers, v_bar, nk: int, *, sm_scale: float | None = None,
