@@ -117,6 +117,7 @@ def main() -> int:
     methods = {name: (lambda fn: lambda q, k, v, rows: fn(q, k, v)[:, :, rows])(fn) for name, fn in methods.items()}
     if args.cache:
         methods.update({f"cache decode, {p.upper()} K": cache_decode(p) for p in ("int8", "int4")})
+        methods["cache decode, int8g (8-bit K and V groups)"] = cache_decode("int8g")
     lengths = [int(n) for n in args.lengths.split(",")]
     results = {}  # (v_kind, method, n) -> Accuracy
     for v_kind in ("v-mean", "v-zero"):
