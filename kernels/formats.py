@@ -37,10 +37,10 @@ def v_dither(tile: int) -> float:
 # too) per channel over groups of this many consecutive tokens, each (group, channel) with a bf16 scale and zero
 # point and values u ∈ [0, levels], x ≈ zero + u · scale; the newest tokens of an incomplete group stay in full
 # precision until it completes. 4-bit K per token (one scale over the channels) cost SmolLM2 +10 % perplexity,
-# per-channel groups of 16–128 tokens +0.35–1.13 % (eval/results/cache-k-formats-*.md); 8-bit K and V per token
-# part greedy continuations from the float32 cache's in 15 of 20 prompts, 8-bit K and V per channel over groups
-# in 6 (eval/results/cache-greedy-formats-*.md). 64 is the decode kernel's key tile on the GPU, so a tile is a
-# group and its K scales are folded into q once a tile. Scale and zero cost 8 bytes a token at d128.
+# per-channel groups of 16–128 tokens +0.35–1.13 % (eval/results/cache-k-formats-*.md); with 8-bit K and V per
+# token 6 of 20 greedy continuations stayed the float32 cache's, per channel over groups 14 (fake quantization
+# around exact attention, eval/results/cache-greedy-formats-*.md). 64 is the decode kernel's key tile on the GPU,
+# so a tile is a group and its K scales are folded into q once a tile. Scale and zero cost 8 bytes a token at d128.
 KV_GROUP = 64
 KV_GROUP_LEVELS = {"int4": 15, "int8g": 255}  # the largest value of u, by the cache's precision name
 # How a group's bf16 zero and scale are rounded. Directed: zero = the min rounded down, scale = (max − zero) /
