@@ -15,8 +15,8 @@ a grouped tensor when its group completes (``kernels/decode.py``; the formats in
 Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
 the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
 that span rounded up to a whole 16-token block. A ring does not keep groups of consecutive tokens, so such a
-layer stores INT8 K and FP8 V where the plan says ``int4`` or the layout groups (``precisions()`` shows it). Layers the plan
-marks unquantized keep transformers' full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
+layer stores INT8 K and FP8 V where the plan says ``int4`` or the layout groups (``precisions()`` shows it).
+Layers the plan marks unquantized keep transformers' full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
 attention, ...) keep transformers' own layer class.
 
 What a layer's ``update`` returns:
@@ -73,8 +73,8 @@ class CacheStorage(NamedTuple):
     """A read view of a :class:`QAttnLayer`'s storage (the tensors themselves, not copies; only the layer
     writes them): what the attention over the cache reads.
 
-    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent``, ``v_recent`` as :class:`reference.Buffers` (which the kernels
-    take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached.
+    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent``, ``v_recent`` as :class:`reference.Buffers` (which
+    the kernels take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached.
     ``device_length``: the same count as a (1,) int32 tensor on the device with static storage, else None.
     """
 
@@ -244,11 +244,10 @@ class QAttnLayer(CacheLayerMixin):
             # back inside a group quantized already: a grouped tensor's kept tokens wait in its recent rows again
             # (dequantized, so they are quantized twice when the group completes anew)
             buf, kept, at = self._buffers, length - first, slice(first // group, first // group + 1)
-            one = buf._replace(kq=buf.kq[:, :, first: first + group], vq=buf.vq[:, :, first: first + group],
-                               ks=buf.ks[:, :, at] if reference.k_grouped(self.precision) else buf.ks,
+            one = buf._replace(kq=buf.kq[:, :, first: first + group], ks=buf.ks[:, :, at],
+                               vq=buf.vq[:, :, first: first + group],
                                vs=buf.vs[:, :, at] if reference.v_grouped(self.precision) else buf.vs)
-            if reference.k_grouped(self.precision):
-                buf.k_recent[:, :, :kept] = reference.dequantize_k(one, self.head_dim, group)[:, :, :kept]
+            buf.k_recent[:, :, :kept] = reference.dequantize_k(one, self.head_dim, group)[:, :, :kept]
             if reference.v_grouped(self.precision):
                 buf.v_recent[:, :, :kept] = reference.dequantize_v(one, self.head_dim, group)[:, :, :kept]
         self._length = length
@@ -291,14 +290,15 @@ class QAttnLayer(CacheLayerMixin):
                             self._device_length, self._launches)
 
     def nbytes(self, used: bool = False) -> int:
-        """Bytes of the storage: quantized K and V, their scales, a grouped format's incomplete group, the centers — as
-        allocated (the whole capacity: what the cache takes from the device), or with ``used`` only the cached
+        """Bytes of the storage: quantized K and V, their scales, a grouped format's incomplete group, the centers —
+        as allocated (the whole capacity: what the cache takes from the device), or with ``used`` only the cached
         tokens' share of what grows with the tokens."""
         if self._buffers is None:
             return 0
         buf = self._buffers
         slots = sum(t.numel() * t.element_size() for t in buf[1:5])  # kq, ks, vq, vs: in proportion to capacity
-        fixed = sum(t.numel() * t.element_size() for t in (buf.k_recent, buf.v_recent, self._k_bar, self._v_bar) if t is not None)
+        fixed = sum(t.numel() * t.element_size() for t in (buf.k_recent, buf.v_recent, self._k_bar, self._v_bar)
+                    if t is not None)
         return (slots * self._length) // self._capacity + fixed if used else slots + fixed
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
