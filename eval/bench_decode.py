@@ -149,6 +149,16 @@ def exact_decode(q, k, v) -> torch.Tensor:
 CACHE_PRECISIONS = ("int8", "int4", "int8g")
 
 
+def qattn_cache(model, precision: str, **kwargs):
+    """A QAttnCache storing every layer in ``precision`` (one of CACHE_PRECISIONS; int8g: the int8 plan with
+    ``int8_layout="groups"``)."""
+    import hf_qattn
+
+    if precision == "int8g":
+        return hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups", **kwargs)
+    return hf_qattn.QAttnCache(model, plan=precision, **kwargs)
+
+
 def fill_cache(k, v, precision, device):
     """(buffers, k̄, v̄, bytes of the tokens' storage) of a cache holding k, v."""
     from hf_qattn.kv_cache import reference as kv_reference
@@ -406,8 +416,7 @@ def generate_run(model, ids, mode: str, new_tokens: int, warmup: int):
         model.set_attn_implementation("qattn")
         precision = mode.split()[1].rstrip(",")
         graph = mode.endswith("CUDA graph")
-        cache = hf_qattn.QAttnCache(model, plan=precision,
-                                    static_max_len=ids.shape[1] + new_tokens + 1 if graph else None)
+        cache = qattn_cache(model, precision, static_max_len=ids.shape[1] + new_tokens + 1 if graph else None)
         if graph:  # static storage, and each decode step replayed from a CUDA graph (hf_qattn.CapturedDecodeStep)
             return _timed_generate(model, ids, cache, new_tokens, warmup,
                                    make_step=lambda: hf_qattn.CapturedDecodeStep(model, cache))
@@ -476,7 +485,8 @@ def _kernel_ms_per_step(decode_step, token, steps: int = 4) -> float:
 
 # the compiled mode last: on a CPU, Triton's interpreter fails in a process where inductor ran before
 GENERATE_CALLS = ("sdpa-flash, DynamicCache", "qattn, QAttnCache int8", "qattn, QAttnCache int8, captured_generate",
-                  "qattn, QAttnCache int4, captured_generate", "sdpa, static cache, compiled")
+                  "qattn, QAttnCache int4, captured_generate", "qattn, QAttnCache int8g, captured_generate",
+                  "sdpa, static cache, compiled")
 
 
 def generate_call(model, ids, mode: str, new_tokens: int):
@@ -499,7 +509,7 @@ def generate_call(model, ids, mode: str, new_tokens: int):
             backends = torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     else:
         model.set_attn_implementation("qattn")
-        cache = hf_qattn.QAttnCache(model, plan=mode.split()[2].rstrip(","))
+        cache = qattn_cache(model, mode.split()[2].rstrip(","))
         if mode.endswith("captured_generate"):
             kwargs["custom_generate"] = hf_qattn.captured_generate
     if cache is not None:
@@ -566,7 +576,8 @@ def generate_rows(args, device, dtype):
         base_tokens = None
         for mode in ("sdpa-flash+DynamicCache", "sdpa+DynamicCache", "qattn+QAttnCache int8",
                      "qattn+QAttnCache int4", "qattn+QAttnCache int8, CUDA graph",
-                     "qattn+QAttnCache int4, CUDA graph", "sdpa+StaticCache, torch.compile CUDA graph"):
+                     "qattn+QAttnCache int4, CUDA graph", "qattn+QAttnCache int8g, CUDA graph",
+                     "sdpa+StaticCache, torch.compile CUDA graph"):
             row = {"prompt": prompt, "mode": mode}
             try:
                 result = generate_run(model, ids, mode, args.new_tokens, args.warmup_steps)
