@@ -49,7 +49,7 @@ class Buffers(NamedTuple):
 
 
 def k_grouped(precision: str) -> bool:
-    return precision in ("int4", "int8g")
+    return precision in KV_GROUP_LEVELS  # the grouped formats: every one groups K
 
 
 def v_grouped(precision: str) -> bool:
