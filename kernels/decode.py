@@ -162,50 +162,59 @@ def append_kernel(
         pos0 = tl.load(POS)
     b = (bh // HK).to(tl.int64)
     hk = bh % HK
-    if GROUPED:  # a program per group of slots touched (a group is quantized together), from pos0's group
-        tl.static_assert(BLOCK_T == KV_GROUP)
-        group = pos0 // KV_GROUP + tile
-        slots = group * KV_GROUP + tl.arange(0, BLOCK_T)
-        rows = slots - pos0  # index of the new token in each slot (< 0: an earlier token of the group)
-    else:
-        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        slots = pos0 + rows
-    row_ok = (rows >= 0) & (rows < N)
-    k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
-    q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
-    s_off = b * stride_sb + hk * stride_sh + slots
-    v_base = V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn
-    w_base = VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn
     group_off = b * stride_gb + hk * stride_gh
     recent_off = b * stride_rb + hk * stride_rh
 
-    # --- K: subtract the fixed center; grouped formats per channel over the group, INT8 one scale per token
+    # --- grouped formats (K, and int8g's V): subtract the fixed center, quantize per channel over a group when
+    # its last token arrives. A program per group touched, from pos0's group (a device-side pos0 may leave the
+    # grid's last programs nothing to do). pos0's group reads its earlier tokens from the recent rows, and a group
+    # left incomplete at the end writes its tokens there: both in program 0, in that order, since programs run in
+    # no set order and another program's write could land before program 0's read.
     if GROUPED:
-        # a device-side pos0 may leave the grid's last program nothing to do
-        if group * KV_GROUP < pos0 + N:
+        tl.static_assert(BLOCK_T == KV_GROUP)
+        first = pos0 // KV_GROUP
+        last = (pos0 + N - 1) // KV_GROUP
+        for job in range(2):  # 0: this program's group; 1 (program 0 only): the incomplete last group
+            group = tl.where(job == 0, first + tile, last)
             complete = group * KV_GROUP + KV_GROUP <= pos0 + N
-            if INT4:
-                _append_k_group(k_base, K_BAR, q_base, KS + group_off + group * stride_gg, KR + recent_off, bh,
-                                rows, row_ok, complete, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
-            else:
-                _append_group8(k_base, K_BAR, q_base, KS + group_off + group * stride_gg, KR + recent_off, bh,
-                               rows, row_ok, complete, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
-            if G8:
-                _append_group8(v_base, V_BAR, w_base, VS + group_off + group * stride_gg, VR + recent_off, bh,
-                               rows, row_ok, complete, stride_vd, HEAD_DIM, D_PAD, GRID_ROUND)
-    else:
-        c = tl.arange(0, D_PAD)
-        ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+            mine = tl.where(job == 0, (group <= last) & (complete | (tile == 0)),
+                            (tile == 0) & (last != first) & (last * KV_GROUP + KV_GROUP > pos0 + N))
+            if mine:
+                slots = group * KV_GROUP + tl.arange(0, BLOCK_T)
+                rows = slots - pos0  # index of the new token in each slot (< 0: an earlier token of the group)
+                row_ok = (rows >= 0) & (rows < N)
+                k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
+                q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
+                if INT4:
+                    _append_k_group(k_base, K_BAR, q_base, KS + group_off + group * stride_gg, KR + recent_off, bh,
+                                    rows, row_ok, complete, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
+                else:
+                    _append_group8(k_base, K_BAR, q_base, KS + group_off + group * stride_gg, KR + recent_off, bh,
+                                   rows, row_ok, complete, stride_kd, HEAD_DIM, D_PAD, GRID_ROUND)
+                if G8:
+                    v_base = V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn
+                    w_base = VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn
+                    _append_group8(v_base, V_BAR, w_base, VS + group_off + group * stride_gg, VR + recent_off, bh,
+                                   rows, row_ok, complete, stride_vd, HEAD_DIM, D_PAD, GRID_ROUND)
+
+    # --- per-token formats: subtract the fixed center; K INT8 and (unless int8g) V FP8 E4M3, one scale a token
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    slots = pos0 + rows
+    row_ok = rows < N
+    s_off = b * stride_sb + hk * stride_sh + slots
+    c = tl.arange(0, D_PAD)
+    ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+    if not GROUPED:
+        k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
+        q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
         k = tl.load(k_base + c[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
         k = tl.where(ok, k - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
         k_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0, k, 1)
         tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0, GRID_ROUND), mask=ok)
         tl.store(KS + s_off, k_scale, mask=row_ok)
-
-    # --- V (unless int8g's groups above): subtract the fixed center, one scale per token, FP8 E4M3
     if not G8:
-        c = tl.arange(0, D_PAD)
-        ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+        v_base = V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn
+        w_base = VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn
         v = tl.load(v_base + c[None, :] * stride_vd, mask=ok, other=0.0).to(tl.float32)
         v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
         v_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX, v, 1)

@@ -83,6 +83,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   maxnreg_groups: the grouped formats' tiles. INT4 K's spill at 128 (Nsight: 2.7 M local requests at B8 L64k);
 #   168 was 2–7 % faster than 128 at B8 L16k / L64k and no cap (255) slower (decode-regs-sweep-…-2026-11-25.md).
 #   int8g's (8-bit K and V groups) takes the same cap, not swept.
+# stages_int8g_wide: int8g's pipeline stages past head dim 128, where Triton 3.6 stages 128 KiB a stage at d256
+#   (3 stages: 393 KiB of shared memory, past the H100's 227 KiB; 1 stage: 96 KiB).
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -226,8 +228,10 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         part_o, part_m, part_l, counter = _workspace(q.device, b * hq * nq * splits, d_pad, cfg["chunks"] * b * hk)
     else:
         part_o = part_m = part_l = counter = None
-    extra = {} if num_stages is None else {"num_stages": num_stages}
     settings = tuning.decode_config(interp or q.device.type != "cuda")
+    if num_stages is None and g8 and d_pad > 128:
+        num_stages = settings["stages_int8g_wide"]
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     if maxnreg is None:
         maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
     extra.update(tuning.register_cap(maxnreg, interp))

@@ -41,7 +41,7 @@ def main(precisions: str = "int8,int4", caps: str = "0,128,104,88") -> None:
                     decode_launch.decode(q, buf, v_bar, n, num_stages=stages, maxnreg=maxnreg, waves=waves)
                 try:
                     us = events_ms(run, calls=20, repeats=7) * 1e3
-                    kernels = [kern for kern, _ in fast(decode_kernel).kernels.values()]
+                    kernels = [entry[0] for entry in fast(decode_kernel).kernels.values()]
                     last = kernels[-1]
                     regs, spills = getattr(last, "n_regs", "?"), getattr(last, "n_spills", "?")
                 except Exception as error:  # noqa: BLE001
