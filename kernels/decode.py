@@ -248,8 +248,8 @@ def _dot_t(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-                 k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
+def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+                 v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
                  ring_lo, ring_count,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
@@ -257,7 +257,8 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr,
                  MASK_N: tl.constexpr, RECENT: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
-    INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K / of 8-bit K and V, or with RECENT the
+    INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K (q in two halves, ``q_lo`` and ``q_hi``) / of
+    8-bit K and V (q as ``q_unit`` · ``q_amax``: q over its row's largest |q|, and that), or with RECENT the
     incomplete group's tokens from ``k_recent_base`` (and G8's V from ``v_recent_base``; slot ``recent_lo`` is
     their row 0).
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
@@ -315,18 +316,19 @@ def _attend_tile(q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_bas
             group = k_group_base + (start // BLOCK_N) * stride_gg
             scale = tl.load(group + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
             zero = tl.load(group + HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
-            qf = q.to(tl.float32)
-            qs = qf * scale[None, :]
+            qs = q_unit * scale[None, :]
             if INTERPRET:
                 qk = _dot_t(qs, u, INTERPRET)
             else:
-                # q ⊙ scale as a bf16 pair (hi + lo: 16 bits, bf16's range): one bf16 would round it as coarsely
-                # as the 8-bit values themselves; u ≤ 255 is exact in bf16
-                qs_hi = qs.to(tl.bfloat16)
-                qs_lo = (qs - qs_hi.to(tl.float32)).to(tl.bfloat16)
-                ub = tl.trans(u.to(tl.bfloat16))
-                qk = tl.dot(qs_hi, ub) + tl.dot(qs_lo, ub)
-            qk = qk + tl.sum(qf * zero[None, :], axis=1)[:, None]
+                # fp16: 11 bits of q ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q is over its
+                # row's max |q| (a scale ≥ 65504 would need a K channel's range in a group ≥ 1.6e7). u becomes fp16
+                # without a conversion instruction: the bits 0x6400 | u are the fp16 of 1024 + u (exact), so the
+                # dot gives Σ qs·u + 1024·Σ qs, and 1024·Σ qs is taken back out (one dot: a bf16 hi + lo pair in
+                # two took 1.4× the time at B8, eval/results/decode-regs-sweep-*-2026-11-25.md)
+                qs16 = qs.to(tl.float16)
+                qk = (tl.dot(qs16, tl.trans((u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)))
+                      - 1024.0 * tl.sum(qs16.to(tl.float32), axis=1)[:, None])
+            qk = (qk + tl.sum(q_unit * zero[None, :], axis=1)[:, None]) * q_amax[:, None]
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
@@ -454,6 +456,13 @@ def decode_kernel(
         q = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
         q_lo = q
         q_hi = q
+    # G8: q over its row's max |q| (fp16 range for q ⊙ the K groups' scales, _attend_tile), and that max
+    q_amax = tl.full([BLOCK_M], 1.0, tl.float32)
+    q_unit = q.to(tl.float32)
+    if G8:
+        q_amax = tl.max(tl.abs(q_unit), axis=1)
+        q_amax = tl.where(q_amax > 0, q_amax, 1.0)
+        q_unit = q_unit / q_amax[:, None]
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
 
@@ -532,23 +541,23 @@ def decode_kernel(
     # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base, g_base, r_base,
-            vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2,
-            window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL, HAS_KV_RANGE,
-            INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False, False)
+            q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
+            g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
+            softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
+            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False, False)
     for start in range(hi_full, hi_packed, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base, g_base, r_base,
-            vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2,
-            window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL, HAS_KV_RANGE,
-            INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, False)
+            q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
+            g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
+            softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
+            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, False)
     if GROUPED:
         for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, q_lo, q_hi, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base, g_base,
-                r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
-                softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
-                HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, True)
+                q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+                v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
+                score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
+                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, True)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
