@@ -225,17 +225,18 @@ def kernel_rows(args, device, dtype):
                         row[f"{precision}_GBs"] = qbytes / us / 1e3
                         row[f"{precision}_x"] = row["sdpa_us"] / us
                         row[f"{precision}_host_us"] = host_us(run, args.calls, repeats=1, hold_gpu=False)
-                        # the append kernel alone: one new token per sequence (rewrites the last slot; INT4: the
-                        # token that completes a group, which quantizes the group)
-                        k1, v1 = k[:, :, -1:].contiguous(), v[:, :, -1:].contiguous()
-                        row[f"{precision}_append_us"] = time_us(
-                            lambda: decode_launch.append(k1, v1, k_bar, v_bar, buf, n - 1), args.calls, args.repeats)
-                        # accuracy of the timed call against exact attention on the bf16 cache
+                        # accuracy of the timed call against exact attention on the bf16 cache (before the append
+                        # timing below, which leaves a grouped format's last group built from stale recent rows)
                         run()
                         if ref is None:
                             ref = exact_decode(q, k, v)
                         err = (out.double() - ref).abs().sum() / ref.abs().sum()
                         row[f"{precision}_relL1"] = err.item()
+                        # the append kernel alone: one new token per sequence (rewrites the last slot; INT4: the
+                        # token that completes a group, which quantizes the group)
+                        k1, v1 = k[:, :, -1:].contiguous(), v[:, :, -1:].contiguous()
+                        row[f"{precision}_append_us"] = time_us(
+                            lambda: decode_launch.append(k1, v1, k_bar, v_bar, buf, n - 1), args.calls, args.repeats)
                         del buf, out
                     except Exception as error:  # noqa: BLE001
                         row[f"{precision}_us"] = f"error: {type(error).__name__}: {error}"[:120]
