@@ -21,6 +21,9 @@ INT4_LEVELS = tl.constexpr(formats.KV_GROUP_LEVELS["int4"])
 G8_LEVELS = tl.constexpr(formats.KV_GROUP_LEVELS["int8g"])
 INT4_DIRECTED = tl.constexpr(formats.KV_GROUP_DIRECTED["int4"])
 G8_DIRECTED = tl.constexpr(formats.KV_GROUP_DIRECTED["int8g"])
+INT4_DITHERED = tl.constexpr(formats.KV_GROUP_DITHERED["int4"])
+G8_DITHERED = tl.constexpr(formats.KV_GROUP_DITHERED["int8g"])
+_DITHER_STRIDE = tl.constexpr(formats.KV_GROUP_DITHER_STRIDE)
 
 
 @triton.jit
@@ -109,6 +112,13 @@ def to_bf16_toward(x, UP: tl.constexpr, GRID_ROUND: tl.constexpr):
         past = r.to(tl.float32) > x
         away = bits < 0
     return tl.where(past, tl.where(away, bits + 1, bits - 1).to(tl.bfloat16, bitcast=True), r)
+
+
+@triton.jit
+def group_dither(r):
+    """φ_r of row r (0 ≤ r < KV_GROUP) of a dithered group (formats.KV_GROUP_DITHERED says why); exact in
+    float32, so the PyTorch reference (``kv_cache.reference.group_dither``) rounds alike."""
+    return (((r * _DITHER_STRIDE) % KV_GROUP).to(tl.float32) + 0.5) / KV_GROUP
 
 
 @triton.jit

@@ -52,8 +52,9 @@ dim needs no padding); only the last tile of a split is masked.
 import triton
 import triton.language as tl
 
-from .common import (FP8_MAX, G8_DIRECTED, G8_LEVELS, INT4_DIRECTED, INT4_LEVELS, KV_GROUP, SCALE_FLOOR, mul_rn,
-                     quantize_symmetric, reciprocal, round_half_even, scale_to_fp8, to_bf16, to_bf16_toward)
+from .common import (FP8_MAX, G8_DIRECTED, G8_DITHERED, G8_LEVELS, INT4_DIRECTED, INT4_DITHERED, INT4_LEVELS, KV_GROUP,
+                     SCALE_FLOOR, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, scale_to_fp8,
+                     to_bf16, to_bf16_toward)
 
 
 @triton.jit
@@ -64,22 +65,30 @@ def _nan_unless_finite(scale, x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_group(x, LEVELS: tl.constexpr, DIRECTED: tl.constexpr, GRID_ROUND: tl.constexpr):
+def _quantize_group(x, LEVELS: tl.constexpr, DIRECTED: tl.constexpr, DITHERED: tl.constexpr,
+                    GRID_ROUND: tl.constexpr):
     """A complete group x (G rows, channels) in fp32 → per channel a bf16 scale and zero point and
-    u = round((x − zero) / scale) ∈ [0, LEVELS] (int32), as ``reference.quantize_groups``: zero the min, scale
-    (max − zero) / LEVELS, rounded to nearest or (DIRECTED) zero down and scale up (formats.KV_GROUP_DIRECTED)."""
+    u = round((x − zero) / scale [+ φ_row]) ∈ [0, LEVELS] (int32), as ``reference.quantize_groups``: zero the min,
+    scale (max − zero) / LEVELS (DITHERED: / (LEVELS − 1), and the row's dither φ added before rounding), rounded
+    to nearest or (DIRECTED) zero down and scale up (formats.KV_GROUP_DIRECTED, KV_GROUP_DITHERED)."""
+    if DITHERED:
+        SPAN: tl.constexpr = LEVELS - 1
+    else:
+        SPAN: tl.constexpr = LEVELS
     low = tl.min(x, axis=0)
     if DIRECTED:
         zero = to_bf16_toward(low, False, GRID_ROUND)
         exact = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - zero.to(tl.float32), SCALE_FLOOR),
-                               tl.full(low.shape, LEVELS, tl.float32))
+                               tl.full(low.shape, SPAN, tl.float32))
         scale = to_bf16_toward(_nan_unless_finite(exact, x, 0), True, GRID_ROUND)
     else:
         zero = to_bf16(low, GRID_ROUND)
-        exact = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR), tl.full(low.shape, LEVELS, tl.float32))
+        exact = tl.math.div_rn(tl.maximum(tl.max(x, axis=0) - low, SCALE_FLOOR), tl.full(low.shape, SPAN, tl.float32))
         scale = to_bf16(_nan_unless_finite(exact, x, 0), GRID_ROUND)
-    u = round_half_even(mul_rn(x - zero.to(tl.float32)[None, :], reciprocal(scale.to(tl.float32))[None, :],
-                               GRID_ROUND))
+    t = mul_rn(x - zero.to(tl.float32)[None, :], reciprocal(scale.to(tl.float32))[None, :], GRID_ROUND)
+    if DITHERED:
+        t = t + group_dither(tl.arange(0, KV_GROUP))[:, None]
+    u = round_half_even(t)
     return tl.minimum(tl.maximum(u, 0.0), LEVELS).to(tl.int32), scale, zero
 
 
@@ -106,8 +115,8 @@ def _append_k_group(K_rows, K_BAR, KQ_rows, KG_group, KR, bh, rows, new_ok, comp
     x_lo = tl.where(new_ok[:, None], x_lo, r_lo)
     x_hi = tl.where(new_ok[:, None], x_hi, r_hi)
     if complete:
-        u_lo, scale_lo, zero_lo = _quantize_group(x_lo, INT4_LEVELS, INT4_DIRECTED, GRID_ROUND)
-        u_hi, scale_hi, zero_hi = _quantize_group(x_hi, INT4_LEVELS, INT4_DIRECTED, GRID_ROUND)
+        u_lo, scale_lo, zero_lo = _quantize_group(x_lo, INT4_LEVELS, INT4_DIRECTED, INT4_DITHERED, GRID_ROUND)
+        u_hi, scale_hi, zero_hi = _quantize_group(x_hi, INT4_LEVELS, INT4_DIRECTED, INT4_DITHERED, GRID_ROUND)
         tl.store(KQ_rows + c[None, :], (u_lo | (u_hi << 4)).to(tl.int8))
         tl.store(KG_group + c, scale_lo, mask=c < HEAD_DIM)
         tl.store(KG_group + HEAD_DIM + c, zero_lo, mask=c < HEAD_DIM)
@@ -131,7 +140,7 @@ def _append_group8(X_rows, BAR, Q_rows, G_group, R, bh, rows, new_ok, complete, 
     old = tl.load(R + r[:, None] * HEAD_DIM + c[None, :], mask=(rows < 0)[:, None] & c_ok, other=0.0)
     x = tl.where(new_ok[:, None], x, old.to(tl.float32))
     if complete:
-        u, scale, zero = _quantize_group(x, G8_LEVELS, G8_DIRECTED, GRID_ROUND)
+        u, scale, zero = _quantize_group(x, G8_LEVELS, G8_DIRECTED, G8_DITHERED, GRID_ROUND)
         tl.store(Q_rows + c[None, :], u.to(tl.uint8), mask=c_ok)
         tl.store(G_group + c, scale, mask=c < HEAD_DIM)
         tl.store(G_group + HEAD_DIM + c, zero, mask=c < HEAD_DIM)
@@ -269,6 +278,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     if INT4:
+        tl.static_assert(not INT4_DITHERED, "the INT4 tile is read as undithered groups")
         HALF: tl.constexpr = D_PAD // 2
         c = tl.arange(0, HALF)
         lo_ok = c < HEAD_DIM
@@ -319,15 +329,19 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
             qs = q_unit * scale[None, :]
             if INTERPRET:
                 qk = _dot_t(qs, u, INTERPRET)
+                offset = tl.zeros([BLOCK_N], tl.float32)
             else:
                 # fp16: 11 bits of q ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q is over its
                 # row's max |q| (a scale ≥ 65504 would need a K channel's range in a group ≥ 1.6e7). u becomes fp16
                 # without a conversion instruction: the bits 0x6400 | u are the fp16 of 1024 + u (exact), so the
                 # dot gives Σ qs·u + 1024·Σ qs, and 1024·Σ qs is taken back out (one dot: a bf16 hi + lo pair in
                 # two took 1.4× the time at B8, eval/results/decode-regs-sweep-*-2026-11-25.md)
-                qs16 = qs.to(tl.float16)
-                qk = (tl.dot(qs16, tl.trans((u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)))
-                      - 1024.0 * tl.sum(qs16.to(tl.float32), axis=1)[:, None])
+                qs = qs.to(tl.float16)
+                qk = tl.dot(qs, tl.trans((u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)))
+                offset = tl.full([BLOCK_N], 1024.0, tl.float32)
+            if G8_DITHERED:  # key r's values are u − φ_r
+                offset = offset + group_dither(tl.arange(0, BLOCK_N))
+            qk = qk - tl.sum(qs.to(tl.float32), axis=1)[:, None] * offset[None, :]
             qk = (qk + tl.sum(q_unit * zero[None, :], axis=1)[:, None]) * q_amax[:, None]
     else:
         c = tl.arange(0, D_PAD)
@@ -389,6 +403,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
             # (exact, u < 1024), so the dot gives P · u + 1024 · ΣP, and the zero point takes 1024 · scale back out
             pv = tl.dot(p_w, (u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True))
             zero = zero - 1024.0 * scale
+        if G8_DITHERED:  # key r's values are u − φ_r: P · φ comes off before the scale
+            pv = pv - tl.sum(p_w.to(tl.float32) * group_dither(tl.arange(0, BLOCK_N))[None, :], axis=1)[:, None]
         pv = pv * scale[None, :] + tl.sum(p_w.to(tl.float32), axis=1)[:, None] * zero[None, :]
     else:
         v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0.0, MASK_N,

@@ -51,6 +51,16 @@ KV_GROUP_LEVELS = {"int4": 15, "int8g": 255}  # the largest value of u, by the c
 # +0.86 % directed; at 8 bits the clamp can reach several steps: −0.00 % directed, +0.02 % nearest (CPU,
 # eval/cache_accuracy.py's perplexity, 2026-11-25).
 KV_GROUP_DIRECTED = {"int4": False, "int8g": True}
+# int8g rounds with a subtractive dither: u = round(t + φ_r), read back as u − φ_r, φ_r = ((41·r mod 64) + 1/2) / 64
+# for a value's row r in its group (64 evenly spread offsets, permuted). Without it the rounding errors of a channel
+# share their mean from group to group: the bf16 zero point lies on the bf16 grid of the cached values, offset by
+# the channel's fixed center, so the two grids meet at the same phase in every group. Over many keys that mean is
+# what a zero-mean V's output keeps (the quantized V alone, float64 reference, 4k → 128k keys: RelL1 0.0059 → 0.0099
+# undithered, 0.0055 → 0.0054 dithered; eval/results/cache-group-dither-cpu-2026-11-25.md). The scale then spans
+# levels − 1 steps, so that t + φ stays under levels + 1/2. INT4 keeps its measured format (K's common error shifts
+# a query's scores alike and the softmax drops it).
+KV_GROUP_DITHERED = {"int4": False, "int8g": True}
+KV_GROUP_DITHER_STRIDE = 41  # odd, so r ↦ 41·r mod 64 is a permutation; 41/64 ≈ the golden ratio's 0.618
 
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30

@@ -322,7 +322,8 @@ MUTATIONS = {
     "int8g V zero point dropped": ("axis=1)[:, None] * zero[None, :]", "axis=1)[:, None] * 0.0 * zero[None, :]"),
     "int8g K zero point dropped": ("(qk + tl.sum(q_unit * zero[None, :], axis=1)[:, None])", "(qk + 0.0)"),
     "int8g K row scale dropped": ("axis=1)[:, None]) * q_amax[:, None]", "axis=1)[:, None])"),
-    "int8g K fp16 offset wrong (GPU)": ("- 1024.0 * tl.sum(qs16", "- 1000.0 * tl.sum(qs16"),
+    "int8g K fp16 offset wrong (GPU)": ("offset = tl.full([BLOCK_N], 1024.0, tl.float32)",
+                                        "offset = tl.full([BLOCK_N], 1000.0, tl.float32)"),
     "int8g V scale dropped": ("pv = pv * scale[None, :]", "pv = pv * 0.01"),
 }
 
@@ -347,6 +348,36 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
     mutant = mutant_module(tmp_path, decode, *MUTATIONS[name])
     monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
     assert run() is not None, f"the mutant '{name}' passed the check"
+
+
+DITHER_MUTATIONS = {
+    "K": ("offset = offset + group_dither(tl.arange(0, BLOCK_N))", "offset = offset"),
+    "V": ("pv = pv - tl.sum(p_w.to(tl.float32) * group_dither",
+          "pv = pv - 0.0 * tl.sum(p_w.to(tl.float32) * group_dither"),
+}
+
+
+@pytest.mark.parametrize("left_out", [None, *DITHER_MUTATIONS])
+def test_int8g_reads_values_back_with_their_dither(seed, tmp_path, monkeypatch, left_out):
+    """int8g's stored values are read back as u − φ_row (formats.KV_GROUP_DITHERED). One whole group whose K and
+    V are multiples of the identity, and q constant: every key scores alike, so the weights are uniform (each
+    output row is them, ×4) unless K's dither is dropped (the scores then spread by up to Σ q ⊙ scale ≈ 2), and
+    V's dither is up to a step of the output. The decode matches the reference, and with either dither left out
+    of the decode kernel it does not."""
+    n = d = kv_reference.GROUP
+    eye = torch.eye(n, device=DEVICE)[None, None]
+    k, v = 8.0 * eye + 0.01 * torch.randn(1, 1, n, d, device=DEVICE), 4.0 * eye
+    q = torch.ones(1, 2, 1, d, device=DEVICE, dtype=torch.float16)
+    st = fill(k, v, "int8g")
+    if left_out is not None:
+        mutant = mutant_module(tmp_path, decode, *DITHER_MUTATIONS[left_out])
+        monkeypatch.setattr(decode_launch, "decode_kernel", mutant.decode_kernel)
+    out = decode_launch.decode(q, st["buf"], st["v_bar"], n, sm_scale=1.0)
+    problem = mismatch(out, kv_reference.decode_attention(q, st["buf"], st["v_bar"], n, sm_scale=1.0))
+    if left_out is None:
+        assert problem is None, problem
+    else:
+        assert problem is not None, f"the decode kernel without {left_out}'s dither passed the check"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts compiled GPU kernels")

@@ -29,8 +29,8 @@ from typing import NamedTuple
 import torch
 
 from ..masks import visible_keys
-from ..kernels.formats import (FP8_E4M3_MAX as FP8_MAX, INT_MAX, KV_GROUP as GROUP, KV_GROUP_DIRECTED, KV_GROUP_LEVELS,
-                               padded_head_dim)
+from ..kernels.formats import (FP8_E4M3_MAX as FP8_MAX, INT_MAX, KV_GROUP as GROUP, KV_GROUP_DIRECTED,
+                               KV_GROUP_DITHER_STRIDE, KV_GROUP_DITHERED, KV_GROUP_LEVELS, padded_head_dim)
 from ..quant import SCALE_FLOOR, reciprocal
 
 PRECISIONS = ("int8", "int4", "int8g")
@@ -125,31 +125,47 @@ def _bf16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(past, torch.where(away, bits + 1, bits - 1).view(torch.bfloat16), r)
 
 
+def group_dither(dtype=torch.float32, device=None) -> torch.Tensor:
+    """φ_r (GROUP,) of the rows of a dithered group (``formats.KV_GROUP_DITHERED``): the kernels' ``group_dither``."""
+    r = torch.arange(GROUP, device=device)
+    return ((((r * KV_GROUP_DITHER_STRIDE) % GROUP).float() + 0.5) / GROUP).to(dtype)
+
+
 def quantize_groups(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x (…, n·GROUP, D) float32 of whole groups → (u (…, n·GROUP, D) int16 in [0, levels], scale and zero
     (…, n, 2, D) bf16) of the grouped ``precision``, per channel over each group: zero the min, scale (max − zero)
-    / levels, both in bf16 rounded as ``formats.KV_GROUP_DIRECTED`` says (directed: zero down, scale up), and
-    u = round((x − zero) / scale) clamped to [0, levels] — what the append kernel does, bit for bit."""
+    / levels (dithered formats: / (levels − 1)), both in bf16 rounded as ``formats.KV_GROUP_DIRECTED`` says
+    (directed: zero down, scale up), and u = round((x − zero) / scale [+ φ_row]) clamped to [0, levels] — what the
+    append kernel does, bit for bit."""
     levels, directed = KV_GROUP_LEVELS[precision], KV_GROUP_DIRECTED[precision]
+    dithered = KV_GROUP_DITHERED[precision]
     *lead, t, d = x.shape
     x = x.reshape(*lead, t // GROUP, GROUP, d)
     low = x.amin(-2)
     zero = _bf16_toward(low, up=False) if directed else low.to(torch.bfloat16)
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which rounds differently
     # from the kernel's (and the CPU's) true division
-    exact = (x.amax(-2) - (zero.float() if directed else low)).clamp_min(SCALE_FLOOR) / torch.full_like(low, levels)
+    span = torch.full_like(low, levels - 1 if dithered else levels)
+    exact = (x.amax(-2) - (zero.float() if directed else low)).clamp_min(SCALE_FLOOR) / span
     scale = _bf16_toward(exact, up=True) if directed else exact.to(torch.bfloat16)
-    u = torch.round((x - zero.float()[..., None, :]) * reciprocal(scale.float())[..., None, :])
-    u = u.clamp_(0, levels).reshape(*lead, t, d).to(torch.int16)
+    steps = (x - zero.float()[..., None, :]) * reciprocal(scale.float())[..., None, :]
+    if dithered:
+        steps = steps + group_dither(device=x.device)[:, None]
+    u = torch.round(steps).clamp_(0, levels).reshape(*lead, t, d).to(torch.int16)
     return u, torch.stack([scale, zero], dim=-2)
 
 
-def dequantize_groups(u: torch.Tensor, params: torch.Tensor, dtype) -> torch.Tensor:
-    """u (…, n·GROUP, D) and (…, n, 2, D) scale and zero → zero + u · scale (…, n·GROUP, D) in ``dtype``."""
+def dequantize_groups(u: torch.Tensor, params: torch.Tensor, dtype, precision: str) -> torch.Tensor:
+    """u (…, n·GROUP, D) and (…, n, 2, D) scale and zero of the grouped ``precision`` → zero + (u [− φ_row]) · scale
+    (…, n·GROUP, D) in ``dtype``."""
     *lead, t, d = u.shape
-    params = params.to(dtype)
-    x = u.to(dtype).reshape(*lead, t // GROUP, GROUP, d) * params[..., 0, None, :] + params[..., 1, None, :]
-    return x.reshape(*lead, t, d)
+    wide = torch.promote_types(dtype, torch.float32)  # u − φ needs 15 bits
+    params = params.to(wide)
+    steps = u.to(wide).reshape(*lead, t // GROUP, GROUP, d)
+    if KV_GROUP_DITHERED[precision]:
+        steps = steps - group_dither(wide, u.device)[:, None]
+    x = steps * params[..., 0, None, :] + params[..., 1, None, :]
+    return x.reshape(*lead, t, d).to(dtype)
 
 
 def quantize_k_tokens(kc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +230,7 @@ def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots:
         raise ValueError(f"grouped {which.upper()} is read in whole groups: dequantize_{which} takes a length, not slots")
     whole = length // GROUP * GROUP
     u = unpack_nibbles(values[:, :, :whole], d) if buffers.precision == "int4" else values[:, :, :whole, :d]
-    x = dequantize_groups(u, scales[:, :, : whole // GROUP], dtype)
+    x = dequantize_groups(u, scales[:, :, : whole // GROUP], dtype, buffers.precision)
     return torch.cat([x, getattr(buffers, which + "_recent")[:, :, : length - whole].to(dtype)], dim=-2)
 
 
