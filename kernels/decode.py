@@ -178,7 +178,8 @@ def append_kernel(
     # its last token arrives. A program per group touched, from pos0's group (a device-side pos0 may leave the
     # grid's last programs nothing to do). pos0's group reads its earlier tokens from the recent rows, and a group
     # left incomplete at the end writes its tokens there: both in program 0, in that order, since programs run in
-    # no set order and another program's write could land before program 0's read.
+    # no set order and another program's write could land before program 0's read. (Within program 0 the complete
+    # group's reductions over its rows, a barrier of the whole program, come between the reads and the writes.)
     if GROUPED:
         tl.static_assert(BLOCK_T == KV_GROUP)
         first = pos0 // KV_GROUP
