@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--greedy-modes", default="bf16,int8",
-                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, qattn-dynamic (qattn attention "
+                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, int8g-sdpa (SDPA over the "
+                        "dequantized int8g cache: the format alone), qattn-dynamic (qattn attention "
                         "over transformers' DynamicCache: the pipeline without the quantized cache)")
     p.add_argument("--skip-perplexity", action="store_true")
     p.add_argument("--suffix", default="", help="appended to the output file names")
@@ -122,15 +123,18 @@ def main(argv=None) -> int:
         "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn":
             ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
         "DynamicCache + qattn (no quantized cache)": ("qattn", lambda: tf.DynamicCache(config=model.config)),
+        "QAttnCache int8g, SDPA (exact attention over the dequantized cache: the format alone)":
+            ("sdpa", lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
     }
     short = {"fp32": "DynamicCache + SDPA (float32 cache)", "bf16": "DynamicCache + SDPA, K/V rounded to bf16",
              "int8": "QAttnCache INT8 K + FP8 V, qattn", "int4": "QAttnCache INT4 K + FP8 V, qattn",
              "int8g": "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn",
-             "qattn-dynamic": "DynamicCache + qattn (no quantized cache)"}
+             "qattn-dynamic": "DynamicCache + qattn (no quantized cache)",
+             "int8g-sdpa": "QAttnCache int8g, SDPA (exact attention over the dequantized cache: the format alone)"}
     report = {"model": args.model, "args": vars(args), "perplexity": {}, "greedy": {}}
     texts = windows(tokenizer, test_path, args.windows, args.length)
     for name, (impl, make_cache) in modes.items():
-        if args.skip_perplexity or name == short["qattn-dynamic"]:
+        if args.skip_perplexity or name in (short["qattn-dynamic"], short["int8g-sdpa"]):
             continue
         model.set_attn_implementation(impl)
         started = time.perf_counter()
