@@ -37,6 +37,7 @@ import transformers
 from hf_qattn.kv_cache.captured import cache_argument
 from wikitext import DATA, DEFAULT_MODEL, windows  # eval/wikitext.py
 
+EXACT_PREFILL = "qattn, prefill unquantized"  # a mode's attention: see use() in main
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
 
@@ -51,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--greedy-modes", default="bf16,int8",
-                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, int8g-sdpa (SDPA over the "
-                        "dequantized int8g cache: the format alone), qattn-dynamic (qattn attention "
+                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, int8g-exact-prefill (the "
+                        "model's plan unquantized: an exact prefill, the decode over the int8g cache, which reads "
+                        "it exactly: the format alone), qattn-dynamic (qattn attention "
                         "over transformers' DynamicCache: the pipeline without the quantized cache)")
     p.add_argument("--skip-perplexity", action="store_true")
     p.add_argument("--suffix", default="", help="appended to the output file names")
@@ -123,20 +125,27 @@ def main(argv=None) -> int:
         "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn":
             ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
         "DynamicCache + qattn (no quantized cache)": ("qattn", lambda: tf.DynamicCache(config=model.config)),
-        "QAttnCache int8g, SDPA (exact attention over the dequantized cache: the format alone)":
-            ("sdpa", lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
+        "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)":
+            (EXACT_PREFILL, lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
     }
     short = {"fp32": "DynamicCache + SDPA (float32 cache)", "bf16": "DynamicCache + SDPA, K/V rounded to bf16",
              "int8": "QAttnCache INT8 K + FP8 V, qattn", "int4": "QAttnCache INT4 K + FP8 V, qattn",
              "int8g": "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn",
              "qattn-dynamic": "DynamicCache + qattn (no quantized cache)",
-             "int8g-sdpa": "QAttnCache int8g, SDPA (exact attention over the dequantized cache: the format alone)"}
+             "int8g-exact-prefill": "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)"}
+    def use(impl: str) -> None:
+        """Attention ``impl`` for a mode; EXACT_PREFILL: qattn with every layer unquantized by the model's plan (a
+        prefill in full precision; a QAttnCache is still read by its decode)."""
+        model.config.qattn_plan = (hf_qattn.QAttnPlan(default="unquantized").to_dict() if impl == EXACT_PREFILL
+                                   else None)
+        model.set_attn_implementation("qattn" if impl == EXACT_PREFILL else impl)
+
     report = {"model": args.model, "args": vars(args), "perplexity": {}, "greedy": {}}
     texts = windows(tokenizer, test_path, args.windows, args.length)
     for name, (impl, make_cache) in modes.items():
-        if args.skip_perplexity or name in (short["qattn-dynamic"], short["int8g-sdpa"]):
+        if args.skip_perplexity or name in (short["qattn-dynamic"], short["int8g-exact-prefill"]):
             continue
-        model.set_attn_implementation(impl)
+        use(impl)
         started = time.perf_counter()
         ppl, count = chunked_perplexity(model, texts, make_cache, args.chunk)
         report["perplexity"][name] = {"ppl": ppl, "tokens": count,
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
     greedy_modes = [short["fp32"]] + [short[m.strip()] for m in args.greedy_modes.split(",") if m.strip()]
     for name in greedy_modes:
         impl, make_cache = modes[name]
-        model.set_attn_implementation(impl)
+        use(impl)
         started = time.perf_counter()
         runs[name] = [greedy(model, p[None], make_cache, args.new) for p in prompts]
         print(name, "greedy done in", round(time.perf_counter() - started), "s", flush=True)
