@@ -52,9 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--greedy-modes", default="bf16,int8",
-                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, int8g-exact-prefill (the "
-                        "model's plan unquantized: an exact prefill, the decode over the int8g cache, which reads "
-                        "it exactly: the format alone), qattn-dynamic (qattn attention "
+                   help="runs compared with the float32-cache run: bf16, int8, int4, int8g, int8g-exact-prefill and "
+                        "int8-exact-prefill (the model's plan unquantized: an exact prefill, the decode steps over "
+                        "the cache, which they read exactly: the format alone), qattn-dynamic (qattn attention "
                         "over transformers' DynamicCache: the pipeline without the quantized cache)")
     p.add_argument("--skip-perplexity", action="store_true")
     p.add_argument("--suffix", default="", help="appended to the output file names")
@@ -127,12 +127,17 @@ def main(argv=None) -> int:
         "DynamicCache + qattn (no quantized cache)": ("qattn", lambda: tf.DynamicCache(config=model.config)),
         "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)":
             (EXACT_PREFILL, lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
+        "QAttnCache INT8 K + FP8 V, prefill unquantized by the model's plan (the cache format alone)":
+            (EXACT_PREFILL, lambda: hf_qattn.QAttnCache(model, plan="int8")),
     }
     short = {"fp32": "DynamicCache + SDPA (float32 cache)", "bf16": "DynamicCache + SDPA, K/V rounded to bf16",
              "int8": "QAttnCache INT8 K + FP8 V, qattn", "int4": "QAttnCache INT4 K + FP8 V, qattn",
              "int8g": "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn",
              "qattn-dynamic": "DynamicCache + qattn (no quantized cache)",
-             "int8g-exact-prefill": "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)"}
+             "int8g-exact-prefill":
+                 "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)",
+             "int8-exact-prefill":
+                 "QAttnCache INT8 K + FP8 V, prefill unquantized by the model's plan (the cache format alone)"}
     def use(impl: str) -> None:
         """Attention ``impl`` for a mode; EXACT_PREFILL: qattn with every layer unquantized by the model's plan (a
         prefill in full precision; a QAttnCache is still read by its decode)."""
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     report = {"model": args.model, "args": vars(args), "perplexity": {}, "greedy": {}}
     texts = windows(tokenizer, test_path, args.windows, args.length)
     for name, (impl, make_cache) in modes.items():
-        if args.skip_perplexity or name in (short["qattn-dynamic"], short["int8g-exact-prefill"]):
+        if args.skip_perplexity or name in (short["qattn-dynamic"], short["int8g-exact-prefill"],
+                                            short["int8-exact-prefill"]):
             continue
         use(impl)
         started = time.perf_counter()
