@@ -137,6 +137,9 @@ def check_finite(case, out, lse, ranges):
 
 @settings(max_examples=40, **SETTINGS)
 @given(case=cases())
+# head dim 1, NHD and HND compiled differently on the H100 (see the layouts' check below)
+@example(case={"b": 2, "hq": 2, "hk": 2, "nq": 1, "nk": 33, "d": 1, "dtype": torch.float32, "causal": False,
+               "qk": "int8", "dist": "huge", "seed": 154192, "normalized": False, "kv_range": None})
 def test_kernel_matches_reference_on_random_cases(case):
     q, k, v, ranges = make_inputs(case)
     sm_scale = score_scale(case, q, k)
@@ -156,9 +159,17 @@ def test_kernel_matches_reference_on_random_cases(case):
         problem = disagreement(out, lse, ref, ref_lse)
         assert problem is None, problem
 
-    # the NHD layout gives the very same bits
+    # the NHD layout gives the very same bits. Except at head dim 1 on a GPU: there HND's token stride is 1, which
+    # Triton compiles as a constant (another register layout of the loads, so other float32 summation orders; the
+    # H100 gave differences of 1.6e-6 of max |out| in float32, the interpreter none); the layouts then agree to the
+    # rounding of float32 sums (a wrong stride would differ by O(max |out|))
     out_nhd, lse_nhd = run(case, q, k, v, ranges, "NHD", sm_scale)
-    assert torch.equal(out_nhd, out) and torch.equal(lse_nhd, lse), "layouts differ"
+    if case["d"] == 1 and DEVICE == "cuda" and out.numel():
+        bound = max(1e-5, 2 * torch.finfo(out.dtype).eps) * float(out.float().abs().max())
+        torch.testing.assert_close(out_nhd, out, rtol=0, atol=bound)
+        torch.testing.assert_close(lse_nhd, lse, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(out_nhd, out) and torch.equal(lse_nhd, lse), "layouts differ"
 
 
 @settings(max_examples=25, **SETTINGS)
