@@ -4,9 +4,12 @@
 
 Random weights built from configs (no downloads), bf16:
   * Llama-shaped: Llama-3-8B layer sizes (hidden 4096, 32 heads, 8 KV heads, head_dim 128,
-    MLP 14336), 8 layers, one 4096-token prompt; time of one prefill forward with SDPA, qattn-8b,
-    qattn-4b and a calibrated mix (hf_qattn.calibrate, ratio 0.3, on two random-token prompts),
-    plus the logits' cosine to the SDPA run.
+    MLP 14336), 8 layers, one prompt of each ``--llama-tokens`` count (default 4096); time of one
+    prefill forward with SDPA, qattn-8b as shipped (calls below the kernels' break-even run SDPA:
+    hf_qattn.support.below_break_even) and qattn-8b with the kernels at every length
+    (HF_QATTN_BREAK_EVEN=0); at the first count also qattn-4b and a calibrated mix (hf_qattn.calibrate,
+    ratio 0.3, on two random-token prompts), both with the kernels at every length; plus the logits'
+    cosine to the SDPA run.
   * Wan-shaped: Wan2.1-T2V-1.3B sizes (30 blocks, 12 heads × 128, FFN 8960), a 13×60×88 latent
     (17,160 video tokens) with 512 text tokens; time of one transformer call (a CFG denoising step
     makes two) with SDPA, qattn-8b, qattn-4b and a mix calibrated by hf_qattn.calibrate_pipeline
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
+import statistics
 
 import torch
 
@@ -30,6 +35,9 @@ from timing import events_ms  # eval/timing.py
 import report  # noqa: E402  (eval/report.py)
 
 
+ROUNDS = 5  # the Llama modes take turns this many times
+
+
 def log(*args):
     print(*args, flush=True)
 
@@ -38,41 +46,58 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
-def llama(device, dtype, tiny: bool, repeats: int):
+def llama(device, dtype, tiny: bool, repeats: int, lengths: list[int]):
     import transformers
 
     sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_hidden_layers=2, vocab_size=256) if tiny else dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         num_hidden_layers=8, vocab_size=32000)
-    tokens = 64 if tiny else 4096
-    config = transformers.LlamaConfig(**sizes, max_position_embeddings=2 * tokens)
+    config = transformers.LlamaConfig(**sizes, max_position_embeddings=2 * max(lengths))
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
-    calib = [{"input_ids": torch.randint(0, config.vocab_size, (1, tokens), device=device)} for _ in range(2)]
-    rows, logits = [], {}
-
-    def run(name, implementation, plan):
-        model.set_attn_implementation(implementation)
-        if plan is None:
-            model.config.__dict__.pop("qattn_plan", None)
-        else:
-            model.config.qattn_plan = plan.to_dict()
-        with torch.no_grad():
-            logits[name] = model(ids).logits.float()
-            ms = events_ms(lambda: model(ids), repeats=repeats, warmup=2)
-        rows.append({"model": f"Llama-shaped {sizes['num_hidden_layers']}L", "tokens": tokens, "attention": name,
-                     "ms/forward": ms, "cos vs sdpa": cosine(logits[name], logits["sdpa"])})
-        log("   ", rows[-1])
-
-    run("sdpa", "sdpa", None)
     n = config.num_hidden_layers
-    run("qattn-8b", "qattn", QAttnPlan(default="int8", num_layers=n))
-    run("qattn-4b", "qattn", QAttnPlan(default="int4", num_layers=n))
-    model.set_attn_implementation("qattn")
-    plan, _ = hf_qattn.calibrate(model, calib, ratio=0.3, progress=False)
-    run(f"mix ({plan.count()['int8']}/{n} int8)", "qattn", plan)
+    rows = []
+    for tokens in lengths:
+        ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
+        int8 = QAttnPlan(default="int8", num_layers=n)
+        modes = {"sdpa": ("sdpa", None, True), "qattn-8b": ("qattn", int8, True),
+                 "qattn-8b, kernels at every length": ("qattn", int8, False)}
+        if tokens == lengths[0]:
+            modes["qattn-4b, kernels at every length"] = ("qattn", QAttnPlan(default="int4", num_layers=n), False)
+            model.set_attn_implementation("qattn")
+            calib = [{"input_ids": torch.randint(0, config.vocab_size, (1, tokens), device=device)} for _ in range(2)]
+            plan, _ = hf_qattn.calibrate(model, calib, ratio=0.3, progress=False)
+            modes[f"mix ({plan.count()['int8']}/{n} int8), kernels at every length"] = ("qattn", plan, False)
+
+        def use(implementation, plan, break_even):
+            model.set_attn_implementation(implementation)
+            if plan is None:
+                model.config.__dict__.pop("qattn_plan", None)
+            else:
+                model.config.qattn_plan = plan.to_dict()
+            os.environ["HF_QATTN_BREAK_EVEN"] = "1" if break_even else "0"
+
+        logits, paths, samples = {}, {}, {name: [] for name in modes}
+        for name, mode in modes.items():
+            use(*mode)
+            hf_qattn.reset_fallback_stats()
+            with torch.no_grad():
+                logits[name] = model(ids).logits.float()
+            paths[name] = "/".join(sorted(hf_qattn.fallback_stats()["calls"]))
+        # the modes in turns (ROUNDS of them, the median kept): the host of a lent machine drifts within a run
+        for _ in range(ROUNDS):
+            for name, mode in modes.items():
+                use(*mode)
+                with torch.no_grad():
+                    samples[name].append(events_ms(lambda: model(ids), repeats=repeats, warmup=1))
+        ms = {name: statistics.median(values) for name, values in samples.items()}
+        for name in modes:
+            rows.append({"model": f"Llama-shaped {n}L", "tokens": tokens, "attention": name, "paths": paths[name],
+                         "ms/forward": ms[name], "×sdpa": ms["sdpa"] / ms[name],
+                         "cos vs sdpa": cosine(logits[name], logits["sdpa"])})
+            log("   ", rows[-1])
+    os.environ.pop("HF_QATTN_BREAK_EVEN", None)
     return rows
 
 
@@ -140,6 +165,8 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, for a CPU check of the script")
     parser.add_argument("--only", choices=["llama", "wan"], default=None)
+    parser.add_argument("--llama-tokens", default=None, help="prompt lengths of the Llama-shaped model, comma-"
+                        "separated (default 4096; 64 with --tiny)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -163,7 +190,11 @@ def main():
         if args.only and args.only != which:
             continue
         log(f"== {which}")
-        rows = fn(device, dtype, args.tiny, repeats)
+        if which == "llama":
+            lengths = [int(x) for x in (args.llama_tokens or ("64" if args.tiny else "4096")).split(",")]
+            rows = fn(device, dtype, args.tiny, repeats, lengths)
+        else:
+            rows = fn(device, dtype, args.tiny, repeats)
         sections.append(markdown(rows))
     sections.append(f"Calls by path and fallbacks during the run: `{hf_qattn.fallback_stats()}`\n")
     log(sections[-1])

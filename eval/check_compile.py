@@ -24,6 +24,7 @@ as markdown under --out.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -38,6 +39,10 @@ from hf_qattn.kv_cache.captured import cache_argument
 
 import report  # eval/report.py
 from timing import events_ms  # eval/timing.py
+
+# this checks the kernels, at lengths where the transformers integration would otherwise hand calls to SDPA
+# (hf_qattn.support.below_break_even)
+os.environ.setdefault("HF_QATTN_BREAK_EVEN", "0")
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 

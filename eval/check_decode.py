@@ -33,6 +33,10 @@ import traceback
 import torch
 import transformers
 
+# this checks the kernels, at lengths where the transformers integration would otherwise hand calls to SDPA
+# (hf_qattn.support.below_break_even)
+os.environ.setdefault("HF_QATTN_BREAK_EVEN", "0")
+
 if not torch.cuda.is_available():  # the kernels run under Triton's interpreter, set before they are imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -12,6 +12,7 @@ Prints one line per check and a PASS/FAIL table; exits non-zero on a failure.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import tempfile
@@ -23,6 +24,10 @@ import hf_qattn
 from hf_qattn.reference import exact_attention
 
 from report import finish  # eval/report.py
+
+# this checks the kernels, at lengths where the transformers integration would otherwise hand calls to SDPA
+# (hf_qattn.support.below_break_even)
+os.environ.setdefault("HF_QATTN_BREAK_EVEN", "0")
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,7 +12,9 @@ and in both integrations:
 - ``"eager"``: the model's own eager attention, a fallback for what SDPA cannot express either
   (soft-capping, attention sinks, returned attention weights; transformers only);
 - ``"unquantized-by-plan"``: full-precision attention because the plan says ``"unquantized"`` for
-  that layer (a choice, not a fallback: no reason is counted and nothing is warned).
+  that layer (a choice, not a fallback: no reason is counted and nothing is warned);
+- ``"sdpa-below-break-even"``: SDPA for a transformers call too short for the quantized kernels to beat
+  it on this GPU (:func:`below_break_even`; a choice like the plan's, counted, not warned).
 
 :data:`KERNEL_PATHS` says, per quantized path, on which device type ``backend="auto"`` tries it and
 why it cannot serve a call; :func:`select_path` walks it. A new kernel path (a Hopper kernel in
@@ -43,7 +45,9 @@ REFERENCE = "reference"
 SDPA = "sdpa"
 EAGER = "eager"
 UNQUANTIZED_BY_PLAN = "unquantized-by-plan"
+BELOW_BREAK_EVEN = "sdpa-below-break-even"
 FALLBACK_PATHS = (SDPA, EAGER)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 MAX_KERNEL_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,6 +113,21 @@ def call_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dro
     if query.shape[-1] > MAX_KERNEL_HEAD_DIM:
         return REASON_HEAD_DIM
     return None
+
+
+def below_break_even(query: torch.Tensor, num_keys: int, *, causal: bool, variant: bool) -> bool:
+    """Whether a transformers attention call of these queries over ``num_keys`` keys is better served by SDPA:
+    on a GPU where the quantized kernels, quantization included, were measured slower than full precision below
+    a count of queries and keys (``break_even`` in kernels.json, by arch, head dim and causality), SDPA is both
+    faster and exact there. ``min(queries, keys)`` is the count: the K/V pass quantizes every key once per call,
+    which only many queries pay back (a one-token step over a full-precision cache never does). fp16/bf16
+    only (the floors compare with the half-precision kernels), never for a window, chunk, sinks or soft-cap
+    (``variant``: transformers' path for those computes every masked score) and never with
+    ``HF_QATTN_BREAK_EVEN=0``. :func:`hf_qattn.qattn` itself always runs the kernel it is asked for."""
+    if variant or query.dtype not in HALF_DTYPES or not settings.break_even():  # CPUs: no floor in the table
+        return False
+    floor = tuning.break_even(tuning.arch_of(query.device), query.shape[-1], causal)
+    return min(query.shape[-2], num_keys) < floor
 
 
 # -- the kernel paths --------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ HF_QATTN_EXACT_INT4         ``0``   ``1``: ``qk="int4"`` runs in the INT4 range 
                                     Triton kernel) instead of INT8 (``hf_qattn.support.exact_int4``)
 HF_QATTN_SPLIT_CHANNEL      ``0``   ``1``: ``qattn(split_channel=None)`` computes K's outlier channel apart
                                     (``hf_qattn.qattn``'s ``split_channel``)
+HF_QATTN_BREAK_EVEN         ``1``   ``0``: ``attn_implementation="qattn"`` runs the quantized kernels at every
+                                    length, also below the counts where they are slower than SDPA
+                                    (``hf_qattn.support.below_break_even``)
 HF_QATTN_NO_STARTUP_HOOK    unset   set and not ``0``: the wheel's start-up hook does not register
                                     ``"qattn"`` with transformers. Read by ``_hf_qattn_startup`` itself: it
                                     runs at interpreter start, before any package may be imported.
@@ -30,6 +33,7 @@ import os
 FAST_LAUNCH = "HF_QATTN_FAST_LAUNCH"
 EXACT_INT4 = "HF_QATTN_EXACT_INT4"
 SPLIT_CHANNEL = "HF_QATTN_SPLIT_CHANNEL"
+BREAK_EVEN = "HF_QATTN_BREAK_EVEN"
 NO_STARTUP_HOOK = "HF_QATTN_NO_STARTUP_HOOK"  # read by _hf_qattn_startup (see above)
 
 
@@ -47,3 +51,8 @@ def split_channel() -> bool:
     """``HF_QATTN_SPLIT_CHANNEL=1``: K's split outlier channel on by default (default: off)."""
     return os.environ.get(SPLIT_CHANNEL, "0") == "1"
 
+
+def break_even() -> bool:
+    """``HF_QATTN_BREAK_EVEN`` (default ``1``): short calls of the transformers integration run SDPA where the
+    quantized kernels are slower (``0``: quantized at every length)."""
+    return os.environ.get(BREAK_EVEN, "1") != "0"

@@ -119,6 +119,14 @@ def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys
 
 
 @functools.lru_cache(maxsize=None)
+def break_even(arch: str, head_dim: int, causal: bool) -> int:
+    """Queries and keys (each) from which the quantized kernels beat full-precision attention on ``arch`` at this
+    head dim (``break_even`` in kernels.json); 0 where none is listed (every call runs quantized)."""
+    entry = table()["break_even"].get(arch, {}).get(str(padded_head_dim(head_dim)), {})
+    return int(entry.get("causal" if causal else "full", 0))
+
+
+@functools.lru_cache(maxsize=None)
 def decode_config(interpreter: bool) -> dict:
     """The quantized-cache kernels' settings (``decode`` in kernels.json): the GPU's, or with the interpreter's
     overrides; cached, read-only."""

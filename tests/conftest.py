@@ -78,6 +78,11 @@ def tiny_model():
     return build
 
 
+# The tests run the quantized kernels at small shapes: on a GPU the transformers integration would hand calls
+# shorter than the kernels' break-even to SDPA (hf_qattn.support.below_break_even); tests/test_break_even.py
+# turns that back on where it tests it.
+os.environ.setdefault("HF_QATTN_BREAK_EVEN", "0")
+
 # The real Triton kernels run on the CPU under Triton's interpreter. The switch is read when a
 # kernel module is imported, so it is set here, before any test imports hf_qattn.kernels.
 if not torch.cuda.is_available():

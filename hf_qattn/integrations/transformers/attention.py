@@ -312,6 +312,14 @@ def kernel_call(module, query, key, value, attention_mask, dropout, is_causal, k
     return None, {}, reason
 
 
+def short_call(query, pattern: MaskPattern, variants: dict) -> bool:
+    """Whether a call the kernel could serve is too short for it to beat SDPA on this GPU
+    (:func:`hf_qattn.support.below_break_even`): plain causal or full attention only."""
+    variant = (pattern.window is not None or pattern.chunk is not None or variants["sinks"] is not None
+               or variants["softcap"] is not None)
+    return support.below_break_even(query, pattern.kv_len, causal=pattern.causal, variant=variant)
+
+
 # ------------------------------------------------------------------------------------------------
 # full-precision paths
 
@@ -438,6 +446,10 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         ops.record(full_precision_path(kwargs), reason)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
+    if short_call(query, pattern, variants):
+        ops.record(support.BELOW_BREAK_EVEN)
+        return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
     if split is None:
         _watch_outlier_channel(module, key)
     out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
@@ -519,6 +531,10 @@ def _compiled_attention_forward(module, query, key, value, attention_mask, dropo
         pattern, exact, reason = _traced_pattern(module, query, key, attention_mask, is_causal, variants)
     if reason is not None:
         ops.record(full_precision_path(kwargs), reason)
+        return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        is_causal=is_causal, **kwargs)
+    if short_call(query, pattern, variants):  # shapes only: decided while tracing
+        ops.record(support.BELOW_BREAK_EVEN)
         return full_precision_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         is_causal=is_causal, **kwargs)
     out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
