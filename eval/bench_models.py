@@ -84,7 +84,7 @@ def llama(device, dtype, tiny: bool, repeats: int, lengths: list[int]):
             hf_qattn.reset_fallback_stats()
             with torch.no_grad():
                 logits[name] = model(ids).logits.float()
-            paths[name] = "/".join(sorted(hf_qattn.fallback_stats()["calls"]))
+            paths[name] = "/".join(sorted(hf_qattn.fallback_stats()["calls"])) or "(transformers' own)"
         # the modes in turns (ROUNDS of them, the median kept): the host of a lent machine drifts within a run
         for _ in range(ROUNDS):
             for name, mode in modes.items():
@@ -155,6 +155,7 @@ def markdown(rows):
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
         lines.append("| " + " | ".join(f"{row[k]:.4f}" if isinstance(row.get(k), float) and k.startswith("cos")
+                                        else f"{row[k]:.2f}" if isinstance(row.get(k), float) and k.startswith("×")
                                         else f"{row[k]:.1f}" if isinstance(row.get(k), float)
                                         else str(row.get(k, "")) for k in keys) + " |")
     return "\n".join(lines) + "\n"
