@@ -95,6 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--generate-calls-only", action="store_true",
                    help="generate level: only the model.generate calls (not the hand-timed decode loop)")
     p.add_argument("--prompts", default="4k,16k", help="prompt lengths, generate level")
+    p.add_argument("--eager-only", action="store_true", help="generate calls: the eager modes only")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps not timed")
     p.add_argument("--layers", type=int, default=8)
@@ -485,7 +486,8 @@ def _kernel_ms_per_step(decode_step, token, steps: int = 4) -> float:
 
 
 # the compiled mode last: on a CPU, Triton's interpreter fails in a process where inductor ran before
-GENERATE_CALLS = ("sdpa-flash, DynamicCache", "qattn, QAttnCache int8", "qattn, QAttnCache int8, captured_generate",
+GENERATE_CALLS = ("sdpa-flash, DynamicCache", "qattn, QAttnCache int8", "qattn, QAttnCache int8, step graphs off",
+                  "qattn, QAttnCache int8, captured_generate",
                   "qattn, QAttnCache int4, captured_generate", "qattn, QAttnCache int8g, captured_generate",
                   "sdpa, static cache, compiled")
 
@@ -515,11 +517,14 @@ def generate_call(model, ids, mode: str, new_tokens: int):
             kwargs["custom_generate"] = hf_qattn.captured_generate
     if cache is not None:
         kwargs[CACHE_KW] = cache
+    # "step graphs off": every eager decode step launches its kernels from Python (hf_qattn/kv_cache/step_graph.py)
+    os.environ["HF_QATTN_STEP_GRAPHS"] = "0" if mode.endswith("step graphs off") else "1"
     with backends:
         _sync()
         t0 = time.perf_counter()
         out = model.generate(ids, return_dict_in_generate=True, **kwargs)
         _sync()
+    os.environ.pop("HF_QATTN_STEP_GRAPHS")
     return (time.perf_counter() - t0) * 1e3, getattr(out, CACHE_KW, None) or cache
 
 
@@ -531,6 +536,8 @@ def generate_call_rows(args, device, dtype):
     for prompt in parse_sizes(args.prompts):
         ids = torch.randint(1, model.config.vocab_size, (1, prompt), device=device)  # 0 is the pad token
         for mode in GENERATE_CALLS:
+            if args.eager_only and ("captured" in mode or "compiled" in mode):
+                continue
             row = {"prompt": prompt, "mode": mode}
             try:
                 generate_call(model, ids, mode, args.new_tokens)  # warm-up: compiles, captures

@@ -17,6 +17,9 @@ HF_QATTN_SPLIT_CHANNEL      ``0``   ``1``: ``qattn(split_channel=None)`` compute
 HF_QATTN_BREAK_EVEN         ``1``   ``0``: ``attn_implementation="qattn"`` runs the quantized kernels at every
                                     length, also below the counts where they are slower than SDPA
                                     (``hf_qattn.support.below_break_even``)
+HF_QATTN_STEP_GRAPHS        ``1``   ``0``: a QAttnCache layer's eager decode step launches its append and decode
+                                    kernels from Python every step instead of replaying the layer's CUDA
+                                    graph (``hf_qattn/kv_cache/step_graph.py``)
 HF_QATTN_NO_STARTUP_HOOK    unset   set and not ``0``: the wheel's start-up hook does not register
                                     ``"qattn"`` with transformers. Read by ``_hf_qattn_startup`` itself: it
                                     runs at interpreter start, before any package may be imported.
@@ -34,6 +37,7 @@ FAST_LAUNCH = "HF_QATTN_FAST_LAUNCH"
 EXACT_INT4 = "HF_QATTN_EXACT_INT4"
 SPLIT_CHANNEL = "HF_QATTN_SPLIT_CHANNEL"
 BREAK_EVEN = "HF_QATTN_BREAK_EVEN"
+STEP_GRAPHS = "HF_QATTN_STEP_GRAPHS"
 NO_STARTUP_HOOK = "HF_QATTN_NO_STARTUP_HOOK"  # read by _hf_qattn_startup (see above)
 
 
@@ -56,3 +60,8 @@ def break_even() -> bool:
     """``HF_QATTN_BREAK_EVEN`` (default ``1``): short calls of the transformers integration run SDPA where the
     quantized kernels are slower (``0``: quantized at every length)."""
     return os.environ.get(BREAK_EVEN, "1") != "0"
+
+
+def step_graphs() -> bool:
+    """``HF_QATTN_STEP_GRAPHS`` (default ``1``): eager decode steps over a QAttnCache layer replay its CUDA graph."""
+    return os.environ.get(STEP_GRAPHS, "1") != "0"

@@ -13,6 +13,7 @@ torch.profiler over 3 steps, printing the ops with the most host (self CPU) and 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 
@@ -39,14 +40,16 @@ def _use(model, mode: str):
     """Set the model's attention for ``mode`` ("sdpa", "flash", "qattn"); returns the SDPA backend context to run in."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model.set_attn_implementation("qattn" if mode == "qattn" else "sdpa")
+    model.set_attn_implementation("qattn" if mode.startswith("qattn") else "sdpa")
+    # "qattn, step graphs off": each eager step launches its kernels from Python (hf_qattn/kv_cache/step_graph.py)
+    os.environ["HF_QATTN_STEP_GRAPHS"] = "0" if mode.endswith("step graphs off") else "1"
     if mode == "flash":
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
     return contextlib.nullcontext()
 
 
 def _new_cache(model, mode: str):
-    return hf_qattn.QAttnCache(model, plan="int8") if mode == "qattn" else tf.DynamicCache(config=model.config)
+    return hf_qattn.QAttnCache(model, plan="int8") if mode.startswith("qattn") else tf.DynamicCache(config=model.config)
 
 
 @torch.no_grad()
@@ -110,12 +113,13 @@ def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
 
 @torch.no_grad()
 def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
-    """Eager steps of SDPA flash + DynamicCache and qattn + QAttnCache (int8) in alternating blocks of ``steps``,
+    """Eager steps of SDPA flash + DynamicCache and qattn + QAttnCache (int8), with and without the layers' step
+    graphs, in alternating blocks of ``steps``,
     ``rounds`` blocks each, no profiler (the profiler's hooks slow every launch after it): the host's speed
     drifts on a shared machine, so the two are compared block by block. Prints the median ms a step of each
     and of their per-round ratio."""
     runs = {}
-    for mode in ("flash", "qattn"):
+    for mode in ("flash", "qattn", "qattn, step graphs off"):
         cache = _new_cache(model, mode)
         with _use(model, mode):
             ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
@@ -130,11 +134,13 @@ def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
                     run[1] = model(run[1], **{CACHE_KW: run[0]}, use_cache=True).logits[:, -1:].argmax(-1)
                 torch.cuda.synchronize()
             run[2].append((time.perf_counter() - t0) * 1e3 / steps)
-    flash, qattn = runs["flash"][2][1:], runs["qattn"][2][1:]
-    ratios = [f / q for f, q in zip(flash, qattn)]
-    print(f"== alternating L={prompt}: flash {statistics.median(flash):.2f} ms/step, qattn {statistics.median(qattn):.2f}"
-          f" ms/step, flash/qattn per round: median {statistics.median(ratios):.3f}, "
-          f"range {min(ratios):.3f}–{max(ratios):.3f} ({rounds} rounds of {steps} steps)", flush=True)
+    flash = runs["flash"][2][1:]
+    for mode in ("qattn", "qattn, step graphs off"):
+        qattn = runs[mode][2][1:]
+        ratios = [f / q for f, q in zip(flash, qattn)]
+        print(f"== alternating L={prompt}: flash {statistics.median(flash):.2f} ms/step, {mode} "
+              f"{statistics.median(qattn):.2f} ms/step, flash/qattn per round: median {statistics.median(ratios):.3f}, "
+              f"range {min(ratios):.3f}–{max(ratios):.3f} ({rounds} rounds of {steps} steps)", flush=True)
 
 
 def main():

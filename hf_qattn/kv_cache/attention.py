@@ -193,7 +193,19 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
                                       heads=query.shape[1], device=query.device)
     window, chunk, softcap = variants["window"], variants["chunk"], variants["softcap"]
     layer = key.layer
-    store = layer.storage()
+    if getattr(layer, "pending", lambda: None)() is not None:  # a deferred token: the layer's step graph
+        from . import step_graph
+
+        def whole_cache(q, out):  # the captured form: every slot up to the device-side count
+            store = layer.storage()
+            decode_launch().decode(q, store, store.v_bar, store.capacity, sm_scale=scaling, causal=pattern.causal,
+                                   length=store.device_length, k_bar=store.k_bar, out=out, launches=store.launches)
+
+        out = step_graph.run(layer, query, pattern, window, chunk, sinks, softcap, whole_cache)
+        if out is not None:
+            stats.record_call("triton")
+            return out
+    store = layer.storage()  # (appends a deferred token)
     heads = store.kq.shape[1]
     if query.shape[1] % heads:
         raise QAttnCacheError(f"{query.shape[1]} query heads are not a multiple of {heads} cached heads")

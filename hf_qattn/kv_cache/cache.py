@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from ..plan import PLAN_CONFIG_KEY, QAttnPlan
-from . import reference
+from . import reference, step_graph
 from .attention import PackedKV, QAttnCacheError, _kernels_available, decode_launch, is_packed  # noqa: F401
 
 try:
@@ -119,9 +119,11 @@ class QAttnLayer(CacheLayerMixin):
         self._buffers = None  # reference.Buffers
         self._k_bar = self._v_bar = None
         self._device_length = None  # static storage: the token count as a (1,) int32 tensor on the device
-        # the append and decode launches bound to this storage (decode_launch's ``launches``): a decode step's host
-        # time; emptied whenever the storage or the centers are replaced, which the bound launches hold
+        # the append and decode launches bound to this storage (decode_launch's ``launches``) and the step graph
+        # (step_graph.py): a decode step's host time; emptied whenever the storage or the centers are replaced,
+        # which they hold
         self._launches = {}
+        self._pending = None  # a step's (key, value) whose append step_graph.run does; see _flush
 
     def __repr__(self):
         return f"QAttnLayer({self.precision}, tokens={self._length})"
@@ -165,6 +167,7 @@ class QAttnLayer(CacheLayerMixin):
         self._allocate(_whole_blocks(capacity, self.precision))
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._flush()
         n = key_states.shape[-2]
         if self._k_bar is None:  # the first fill fixes the centers
             self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
@@ -182,6 +185,39 @@ class QAttnLayer(CacheLayerMixin):
                                  launches=self._launches)
         else:
             reference.append(key_states, value_states, self._k_bar, self._v_bar, self._buffers, int(slot))
+
+    # -- a decode step's deferred append (step_graph.py) -----------------------------------------------
+    def _defer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Count the token now, append it in the step's attention (its CUDA graph): room reserved first (a
+        growth empties the memo, graph included), the count kept on the device too from now on."""
+        self._flush()
+        self._reserve(self._length + 1)
+        if self._device_length is None:
+            self._device_length = torch.full((1,), self._length, device=self.device, dtype=torch.int32)
+        self._pending = (key_states, value_states)
+        self._length += 1
+
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._pending
+
+    def drop_pending(self) -> None:
+        self._pending = None
+
+    def storage_memo(self) -> dict:
+        """The launch memo of the current storage (emptied when it moves)."""
+        return self._launches
+
+    def _write_pending(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the counted-but-unwritten token at the device-side count and advance that (the captured form)."""
+        self._write(key_states, value_states, self._device_length)
+        self._device_length.add_(1)
+
+    def _flush(self) -> None:
+        """Write a deferred token before anything reads or changes the storage."""
+        if self._pending is not None:
+            key_states, value_states = self._pending
+            self._pending = None
+            self._write_pending(key_states, value_states)
 
     def reserve(self, tokens: int) -> None:
         """Static storage for ``tokens`` (as ``static_max_len``), set before the first fill: allocated
@@ -205,7 +241,10 @@ class QAttnLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self._length == 0
-        self._append(key_states, value_states)
+        if not first and type(self) is QAttnLayer and step_graph.defers(self, key_states):
+            self._defer(key_states, value_states)
+        else:
+            self._append(key_states, value_states)
         if first:
             return key_states, value_states
         return PackedKV(self, "keys"), PackedKV(self, "values")
@@ -224,6 +263,7 @@ class QAttnLayer(CacheLayerMixin):
         return self.max_len if self.max_len is not None else -1
 
     def reset(self) -> None:
+        self._pending = None
         self._length = 0
         if self._device_length is not None:
             self._device_length.zero_()
@@ -237,6 +277,7 @@ class QAttnLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
+        self._flush()
         length = max(0, self._length + tokens_to_remove)
         group = reference.GROUP
         first = length // group * group
@@ -255,6 +296,7 @@ class QAttnLayer(CacheLayerMixin):
             self._device_length.fill_(self._length)
 
     def _select(self, index: torch.Tensor) -> None:
+        self._flush()
         if self._buffers is None:
             return
         index = index.to(self.device)
@@ -286,6 +328,7 @@ class QAttnLayer(CacheLayerMixin):
     # -- reading ------------------------------------------------------------------------------------
     def storage(self) -> CacheStorage:
         """The storage as a :class:`CacheStorage` view, for the attention over the cache (and benchmarks)."""
+        self._flush()
         return CacheStorage(*self._buffers, self._k_bar, self._v_bar, self._length, self._capacity,
                             self._device_length, self._launches)
 
@@ -303,6 +346,7 @@ class QAttnLayer(CacheLayerMixin):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) (B, Hk, L, D) in the model's dtype, rebuilt from the storage — for fallbacks only."""
+        self._flush()
         n = self._length
         k = reference.dequantize_k(self._buffers, self.head_dim, n)
         v = reference.dequantize_v(self._buffers, self.head_dim, n)

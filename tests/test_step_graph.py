@@ -1,0 +1,130 @@
+"""A QAttnCache layer's eager decode step replayed from its CUDA graph (hf_qattn/kv_cache/step_graph.py): the
+logits of the step launched from Python, every step — across storage growth, a change of batch, a padded step —
+and no reader of the storage ever sees it without the deferred token.
+
+On a GPU the steps replay real graphs; on the CPU (kernels under the interpreter) the layer's recorded step runs as
+it is (``step_graph._device_ok`` patched), which checks everything but the capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_qattn  # noqa: E402
+from hf_qattn.kv_cache import cache as qcache, step_graph  # noqa: E402
+from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("seed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CACHE_KW = cache_argument(transformers.LlamaForCausalLM)
+# logits of the graphed steps against steps launched eagerly: the same kernels, but the eager steps plan the decode's
+# splits by the host's count, the graphed ones by the capacity (another float32 summation order)
+ATOL = 2e-3
+
+
+@pytest.fixture(autouse=True)
+def graphs_anywhere(monkeypatch):
+    monkeypatch.setattr(step_graph, "_device_ok", lambda device: True)
+    monkeypatch.setenv("HF_QATTN_STEP_GRAPHS", "1")
+
+
+def _model():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="qattn").eval().to(DEVICE)
+
+
+def _steps(model, monkeypatch, graphs: bool, prompt, tokens, precision="int8", **cache_options):
+    """Logits of a prefill and one-token steps feeding ``tokens`` (B, steps), and the cache."""
+    monkeypatch.setenv("HF_QATTN_STEP_GRAPHS", "1" if graphs else "0")
+    cache = hf_qattn.QAttnCache(model, plan=precision, **cache_options)
+    out = []
+    with torch.no_grad():
+        out.append(model(prompt, use_cache=True, **{CACHE_KW: cache}).logits[:, -1])
+        for i in range(tokens.shape[1]):
+            out.append(model(tokens[:, i:i + 1], use_cache=True, **{CACHE_KW: cache}).logits[:, -1])
+    return torch.stack(out, 1), cache
+
+
+@pytest.mark.parametrize("precision,layout", [("int8", "tokens"), ("int4", "tokens"), ("int8", "groups")],
+                         ids=["int8", "int4", "int8g"])
+def test_graphed_steps_give_the_eager_steps_logits(monkeypatch, fresh_stats, precision, layout):
+    """12 steps after a 60-token prompt: step 1 warms, step 2 captures, the 5th token grows the storage (the graph
+    is dropped, warmed and captured again), and the grouped formats complete a group (64 tokens) in a replay."""
+    model = _model()
+    prompt = torch.randint(1, 128, (2, 60), device=DEVICE)
+    tokens = torch.randint(1, 128, (2, 12), device=DEVICE)
+    want, _ = _steps(model, monkeypatch, False, prompt, tokens, precision, int8_layout=layout)
+    got, cache = _steps(model, monkeypatch, True, prompt, tokens, precision, int8_layout=layout)
+    assert (got - want).abs().max() <= ATOL * want.abs().max(), (got - want).abs().max()
+    assert cache.get_seq_length() == 72
+    for layer in cache.layers:
+        assert layer.pending() is None  # the last step's attention wrote it
+        assert isinstance(layer.storage_memo().get("step graph"), step_graph._StepGraph)
+        assert int(layer.storage().device_length) == layer.get_seq_length() == 72
+    assert not fresh_stats()["fallbacks"]
+
+
+@pytest.mark.parametrize("reader", ["dequantized", "storage", "crop", "batch selection"])
+def test_every_reader_sees_the_deferred_token(monkeypatch, reader):
+    """A token ``update`` deferred (counted, not yet written) is written by whatever reads or changes the storage
+    first; a crop then removes it as a written token."""
+    model = _model()
+    _, cache = _steps(model, monkeypatch, True, torch.randint(1, 128, (1, 20), device=DEVICE),
+                      torch.randint(1, 128, (1, 3), device=DEVICE))
+    layer = cache.layers[0]
+    k, v = (torch.randn(1, 2, 1, 16, device=DEVICE, dtype=layer.dtype) for _ in range(2))
+    layer.update(k, v)
+    assert layer.pending() is not None and layer.get_seq_length() == 24
+    if reader == "dequantized":
+        layer.dequantized()
+    elif reader == "storage":
+        layer.storage()
+    elif reader == "crop":
+        layer.crop(-1)
+    else:
+        layer.batch_select_indices(torch.tensor([0], device=DEVICE))
+    assert layer.pending() is None
+    length = 23 if reader == "crop" else 24
+    assert layer.get_seq_length() == length == int(layer.storage().device_length)
+    keys, values = layer.dequantized()
+    if reader == "crop":  # the token before it is still the 23rd
+        assert keys.shape[2] == 23
+    else:  # the newest row is the token, to the INT8 K / FP8 V cache's rounding
+        assert torch.allclose(keys[:, :, -1].float(), k[:, :, 0].float(), atol=0.02 * float(k.abs().max()) + 0.02)
+        assert torch.allclose(values[:, :, -1].float(), v[:, :, 0].float(), atol=0.1 * float(v.abs().max()) + 0.02)
+
+
+def test_a_padded_step_is_appended_eagerly_and_attended_as_before(monkeypatch, fresh_stats):
+    """A left-padded batch: its steps' masks carry key ranges, which the graph does not reproduce: each such step
+    appends the token eagerly, and the logits are those of steps launched eagerly throughout."""
+    model = _model()
+    ids = torch.randint(1, 128, (2, 12), device=DEVICE)
+    mask = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
+    mask[1, :4] = 0
+
+    def run(graphs):
+        monkeypatch.setenv("HF_QATTN_STEP_GRAPHS", "1" if graphs else "0")
+        return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                              **{CACHE_KW: hf_qattn.QAttnCache(model)})
+
+    want, got = run(False), run(True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.allclose(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=0)
+    assert not fresh_stats()["fallbacks"]
+
+
+def test_switched_off_or_in_a_window_layer_nothing_is_deferred(monkeypatch):
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 20), device=DEVICE)
+    _, cache = _steps(model, monkeypatch, False, prompt, torch.randint(1, 128, (1, 2), device=DEVICE))
+    assert all(layer.storage().device_length is None for layer in cache.layers)
+    window = qcache.QAttnWindowLayer("sliding_attention", 8)
+    k, v = (torch.randn(1, 2, 4, 16, device=DEVICE) for _ in range(2))
+    window.update(k, v)
+    window.update(k[:, :, :1], v[:, :, :1])
+    assert window.pending() is None
