@@ -193,6 +193,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
                                       heads=query.shape[1], device=query.device)
     window, chunk, softcap = variants["window"], variants["chunk"], variants["softcap"]
     layer = key.layer
+    other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
     if getattr(layer, "pending", lambda: None)() is not None:  # a deferred token: the layer's step graph
         from . import step_graph
 
@@ -201,7 +202,8 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
             decode_launch().decode(q, store, store.v_bar, store.capacity, sm_scale=scaling, causal=pattern.causal,
                                    length=store.device_length, k_bar=store.k_bar, out=out, launches=store.launches)
 
-        out = step_graph.run(layer, query, pattern, window, chunk, sinks, softcap, whole_cache)
+        with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():  # graphs are per device
+            out = step_graph.run(layer, query, pattern, window, chunk, sinks, softcap, whole_cache)
         if out is not None:
             stats.record_call("triton")
             return out
@@ -229,7 +231,6 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         by_device = store.device_length is not None and nk == store.length
     if _kernels_available(query.device):
         stats.record_call("triton")
-        other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
             return decode_launch().decode(query, store, store.v_bar, store.capacity if by_device else nk,
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
