@@ -35,7 +35,8 @@ generating; exceeding it raises) and keeps each layer's token count in device me
 has no host-side value that changes from step to step, so it can be captured in a CUDA graph and
 replayed (:class:`hf_qattn.CapturedDecodeStep`). A sliding-window or chunked layer's ring is its static storage:
 the count a one-token read takes (every held slot, or the newest chunk's) and the next slot live in device memory
-and advance there.
+and advance there. A full-attention layer's eager one-token steps on a GPU keep the count in device memory too,
+from their first one: each such step is replayed from the layer's own CUDA graph (:mod:`.step_graph`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class CacheStorage(NamedTuple):
 
     ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent``, ``v_recent`` as :class:`reference.Buffers` (which
     the kernels take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached.
-    ``device_length``: the same count as a (1,) int32 tensor on the device with static storage, else None.
+    ``device_length``: the same count as a (1,) int32 tensor on the device with static storage or once the layer's
+    step graph (step_graph.py) has been used, else None.
     """
 
     precision: str
