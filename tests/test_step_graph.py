@@ -63,7 +63,7 @@ def test_graphed_steps_give_the_eager_steps_logits(monkeypatch, fresh_stats, pre
     assert cache.get_seq_length() == 72
     for layer in cache.layers:
         assert layer.pending() is None  # the last step's attention wrote it
-        assert isinstance(layer.storage_memo().get("step graph"), step_graph._StepGraph)
+        assert isinstance(layer.storage().launches.get("step graph"), step_graph._StepGraph)
         assert int(layer.storage().device_length) == layer.get_seq_length() == 72
     assert not fresh_stats()["fallbacks"]
 

@@ -194,7 +194,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     window, chunk, softcap = variants["window"], variants["chunk"], variants["softcap"]
     layer = key.layer
     other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
-    if getattr(layer, "pending", lambda: None)() is not None:  # a deferred token: the layer's step graph
+    if layer.pending() is not None:  # a deferred token: the layer's step graph
         from . import step_graph
 
         def whole_cache(q, out):  # the captured form: every slot up to the device-side count

@@ -200,26 +200,23 @@ class QAttnLayer(CacheLayerMixin):
         self._length += 1
 
     def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The deferred token's (key, value), or None."""
         return self._pending
 
-    def drop_pending(self) -> None:
-        self._pending = None
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deferred token, handed to whoever writes it (:meth:`append_pending`, its step graph)."""
+        pending, self._pending = self._pending, None
+        return pending
 
-    def storage_memo(self) -> dict:
-        """The launch memo of the current storage (emptied when it moves)."""
-        return self._launches
-
-    def _write_pending(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append the counted-but-unwritten token at the device-side count and advance that (the captured form)."""
+    def append_pending(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write a counted-but-unwritten token at the device-side count and advance that (the captured form)."""
         self._write(key_states, value_states, self._device_length)
         self._device_length.add_(1)
 
     def _flush(self) -> None:
         """Write a deferred token before anything reads or changes the storage."""
         if self._pending is not None:
-            key_states, value_states = self._pending
-            self._pending = None
-            self._write_pending(key_states, value_states)
+            self.append_pending(*self.take_pending())
 
     def reserve(self, tokens: int) -> None:
         """Static storage for ``tokens`` (as ``static_max_len``), set before the first fill: allocated

@@ -61,7 +61,7 @@ class _StepGraph:
                                dtype=query.dtype)
 
         def step():
-            layer._write_pending(self.k, self.v)
+            layer.append_pending(self.k, self.v)
             decode(self.q, self.out)
 
         if query.is_cuda:
@@ -91,14 +91,13 @@ def run(layer, query: torch.Tensor, pattern, window, chunk, sinks, softcap, deco
     with the device-side count, writing ``out``; the same call whether it runs eagerly or is captured."""
     if not _plain(query, layer, pattern, window, chunk, sinks, softcap):
         return None
-    key, value = layer.pending()
-    layer.drop_pending()  # written below, by the graph or eagerly
-    memo = layer.storage_memo()
+    key, value = layer.take_pending()  # written below, by the graph or eagerly
+    memo = layer.storage().launches  # the current storage's launch memo
     entry = memo.get(_MEMO_KEY)
     if isinstance(entry, _StepGraph) and entry.key == _signature(query, key):
         return entry.replay(query, key, value)
     if entry != _WARM:  # the first plain step on this storage or shape: eagerly, as the graph will run it
-        layer._write_pending(key, value)
+        layer.append_pending(key, value)
         out = torch.empty(query.shape[0], 1, query.shape[1], query.shape[3], device=query.device, dtype=query.dtype)
         decode(query, out)
         memo[_MEMO_KEY] = _WARM
