@@ -27,11 +27,12 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
 
     S = (q · K̂ᵀ) · δK · sm_scale·log2 e       INT8: K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
     S = ((q ⊙ scale) · uᵀ + q · zero) · …     INT4: one group a tile, its scales folded into q (bf16)
-    S = ((q ⊙ scale) · uᵀ + q · zero) · …     G8: the same at 8 bits, q ⊙ scale as a bf16 pair (hi + lo)
+    S = ((q̂ ⊙ scale) · (u − φ)ᵀ + q̂ · zero) · max|q|   G8: the same at 8 bits, q̂ = q / max|q| per row, q̂ ⊙ scale
+                                               in fp16, one dot; φ the group's row dither (formats.KV_GROUP_DITHERED)
     S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
     O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
-    O += (P · u) ⊙ scale + ΣP · zero           G8: P in fp16, u exact; (P · vr) on the incomplete group
+    O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16, u exact; (P · vr) on the incomplete group
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i); ``WINDOW`` keys
@@ -278,6 +279,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    if INT4 or G8:  # a grouped tile is one group: its scales, and G8's row dither, are the tile's
+        tl.static_assert(BLOCK_N == KV_GROUP)
     if INT4:
         tl.static_assert(not INT4_DITHERED, "the INT4 tile is read as undithered groups")
         HALF: tl.constexpr = D_PAD // 2

@@ -195,15 +195,10 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     layer = key.layer
     other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
     if layer.pending() is not None:  # a deferred token: the layer's step graph
-        from . import step_graph
-
-        def whole_cache(q, out):  # the captured form: every slot up to the device-side count
-            store = layer.storage()
-            decode_launch().decode(q, store, store.v_bar, store.capacity, sm_scale=scaling, causal=pattern.causal,
-                                   length=store.device_length, k_bar=store.k_bar, out=out, launches=store.launches)
+        from . import step_graph  # (it imports this module)
 
         with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():  # graphs are per device
-            out = step_graph.run(layer, query, pattern, window, chunk, sinks, softcap, whole_cache)
+            out = step_graph.run(layer, query, pattern, scaling, window, chunk, sinks, softcap)
         if out is not None:
             stats.record_call("triton")
             return out

@@ -240,7 +240,7 @@ class QAttnLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self._length == 0
-        if not first and type(self) is QAttnLayer and step_graph.defers(self, key_states):
+        if not first and step_graph.defers(self, key_states):  # (QAttnWindowLayer has its own update)
             self._defer(key_states, value_states)
         else:
             self._append(key_states, value_states)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import settings
-from .attention import _captured_step
+from .attention import _captured_step, decode_launch
 
 _MEMO_KEY = "step graph"  # in the layer's launch memo (``QAttnLayer._launches``)
 _WARM = "warm"  # the memo's entry after the eager step in the captured form
@@ -54,11 +54,10 @@ def _plain(query: torch.Tensor, layer, pattern, window, chunk, sinks, softcap) -
 class _StepGraph:
     """One layer's captured step: input buffers for q, k, v, the output buffer, the graph."""
 
-    def __init__(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decode):
-        self.key = _signature(query, key)
+    def __init__(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, decode):
+        self.key = _signature(query, key, scaling)
         self.q, self.k, self.v = query.clone(), key.clone(), value.clone()
-        self.out = torch.empty(query.shape[0], 1, query.shape[1], query.shape[3], device=query.device,
-                               dtype=query.dtype)
+        self.out = _output_for(query)
 
         def step():
             layer.append_pending(self.k, self.v)
@@ -80,29 +79,39 @@ class _StepGraph:
         return self.out.clone()  # the buffer is overwritten by the layer's next step
 
 
-def _signature(query: torch.Tensor, key: torch.Tensor) -> tuple:
-    return tuple(query.shape), query.dtype, tuple(key.shape), key.dtype
+def _signature(query: torch.Tensor, key: torch.Tensor, scaling) -> tuple:
+    return tuple(query.shape), query.dtype, tuple(key.shape), key.dtype, scaling
 
 
-def run(layer, query: torch.Tensor, pattern, window, chunk, sinks, softcap, decode) -> torch.Tensor | None:
+def _output_for(query: torch.Tensor) -> torch.Tensor:
+    """The decode's output (B, 1, Hq, D) for query (B, Hq, 1, D)."""
+    return torch.empty(query.shape[0], 1, query.shape[1], query.shape[3], device=query.device, dtype=query.dtype)
+
+
+def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, softcap) -> torch.Tensor | None:
     """The step's attention output (B, 1, Hq, D) with the pending token appended, from the layer's graph
     (captured here on its second plain step), or None where the step is not plain (the caller appends the
-    token eagerly and attends as usual). ``decode(q, out)`` launches the decode kernel over the whole cache
-    with the device-side count, writing ``out``; the same call whether it runs eagerly or is captured."""
+    token eagerly and attends as usual). Arguments as ``packed_attention``'s."""
     if not _plain(query, layer, pattern, window, chunk, sinks, softcap):
         return None
     key, value = layer.take_pending()  # written below, by the graph or eagerly
     memo = layer.storage().launches  # the current storage's launch memo
     entry = memo.get(_MEMO_KEY)
-    if isinstance(entry, _StepGraph) and entry.key == _signature(query, key):
+    if isinstance(entry, _StepGraph) and entry.key == _signature(query, key, scaling):
         return entry.replay(query, key, value)
+
+    def decode(q, out):  # the captured form, run eagerly or recorded alike: every slot to the device-side count
+        store = layer.storage()
+        decode_launch().decode(q, store, store.v_bar, store.capacity, sm_scale=scaling, causal=pattern.causal,
+                               length=store.device_length, k_bar=store.k_bar, out=out, launches=store.launches)
+
     if entry != _WARM:  # the first plain step on this storage or shape: eagerly, as the graph will run it
         layer.append_pending(key, value)
-        out = torch.empty(query.shape[0], 1, query.shape[1], query.shape[3], device=query.device, dtype=query.dtype)
+        out = _output_for(query)
         decode(query, out)
         memo[_MEMO_KEY] = _WARM
         return out
-    step = _StepGraph(layer, query, key, value, decode)  # its inputs hold this step's q, k, v
+    step = _StepGraph(layer, query, key, value, scaling, decode)  # its inputs hold this step's q, k, v
     memo[_MEMO_KEY] = step
     step._run()
     return step.out.clone()
