@@ -128,3 +128,116 @@ def test_switched_off_or_in_a_window_layer_nothing_is_deferred(monkeypatch):
     window.update(k, v)
     window.update(k[:, :, :1], v[:, :, :1])
     assert window.pending() is None
+
+
+
+# --- a recorded step replayed by its call's key; its output handed out without a copy ----------------------------
+
+from hf_qattn.integrations.transformers import attention as tf_attention  # noqa: E402
+
+
+def _layer_steps(model, monkeypatch, graphs: bool, inputs, last_options=None, hold: int | None = None):
+    """One cache layer driven through the attention function: a 20-token fill, then one-token steps ``inputs``
+    [(q, k, v)], the last one with the call's keywords ``last_options``; the outputs (B, 1, Hq, D), each copied
+    right after its step unless it is step ``hold`` (kept as a view of what the step returned), and the layer."""
+    monkeypatch.setenv("HF_QATTN_STEP_GRAPHS", "1" if graphs else "0")
+    layer = hf_qattn.QAttnCache(model, plan="int8").layers[0]
+    module = model.model.layers[0].self_attn
+    fill = torch.linspace(-1, 1, 20 * 16, device=DEVICE).reshape(1, 1, 20, 16).expand(1, 2, 20, 16)
+    layer.update(fill, fill.flip(2))
+    outs = []
+    for i, (q, k, v) in enumerate(inputs):
+        keys, values = layer.update(k, v)
+        options = (last_options or {}) if i == len(inputs) - 1 else {}
+        out = tf_attention.qattn_attention_forward(module, q, keys, values, None, scaling=0.25, **options)[0]
+        outs.append(out.reshape(out.shape[0], -1) if i == hold else out.clone())
+        del out  # as a model's layer drops it (the view kept for ``hold`` holds it)
+    return outs, layer
+
+
+def _inputs(steps):
+    return [(torch.randn(1, 4, 1, 16, device=DEVICE), torch.randn(1, 2, 1, 16, device=DEVICE),
+             torch.randn(1, 2, 1, 16, device=DEVICE)) for _ in range(steps)]
+
+
+def _close(got, want):
+    return bool((got - want).abs().max() <= ATOL * want.abs().max())
+
+
+def test_a_step_with_the_recording_calls_key_replays_without_deciding_again(monkeypatch, fresh_stats):
+    """Step 1 warms, step 2 records the graph with its call's key, steps 3–5 replay it without the decisions
+    (call_variants is not called); the outputs are the eager steps'."""
+    model = _model()
+    inputs = _inputs(5)
+    want, _ = _layer_steps(model, monkeypatch, False, inputs)
+    decided = []
+    real = tf_attention.call_variants
+    monkeypatch.setattr(tf_attention, "call_variants", lambda *a, **k: decided.append(1) or real(*a, **k))
+    hf_qattn.reset_fallback_stats()
+    got, layer = _layer_steps(model, monkeypatch, True, inputs)
+    assert len(decided) == 2  # the warm step and the recording step
+    assert all(_close(g, w) for g, w in zip(got, want))
+    assert layer.launch_memo()["step graph"].call is not None
+    assert fresh_stats()["calls"].get("triton") == 5
+
+
+@pytest.mark.parametrize("option", [dict(softcap=2.0), dict(output_attentions=True), dict(sliding_window=8)],
+                         ids=["softcap", "output_attentions", "sliding_window"])
+def test_a_call_with_another_key_is_decided_as_usual(monkeypatch, fresh_stats, option):
+    """After steps 1–2 recorded the graph, a step 3 whose call sets a keyword the decisions read is not replayed:
+    it is decided and attended as without graphs (soft-capped; a full-precision fallback; a window)."""
+    model = _model()
+    inputs = _inputs(3)
+    plain, _ = _layer_steps(model, monkeypatch, False, inputs)
+    want, _ = _layer_steps(model, monkeypatch, False, inputs, last_options=option)
+    hf_qattn.reset_fallback_stats()
+    got, _ = _layer_steps(model, monkeypatch, True, inputs, last_options=option)
+    assert _close(got[2], want[2])
+    if "softcap" in option:  # the keyword changes the answer: a replay of the plain graph would fail above
+        assert not _close(want[2], plain[2])
+    else:  # a full-precision fallback, counted (a replay would have counted a kernel call instead)
+        reason = (tf_attention.REASON_OUTPUT_ATTENTIONS if "output_attentions" in option
+                  else tf_attention.REASON_SLIDING_WINDOW)
+        assert fresh_stats()["fallbacks"] == {reason: 1}
+
+
+def test_the_decisions_read_no_keyword_the_replay_key_leaves_out(monkeypatch):
+    """replay_key gives a key only to calls with none of _DECIDING_KEYWORDS set; every keyword the decisions read
+    must be one of them, or a call setting it would replay a graph recorded without it."""
+    read = set()
+
+    class Recording(dict):
+        def get(self, name, default=None):
+            read.add(name)
+            return super().get(name, default)
+
+        def __getitem__(self, name):
+            read.add(name)
+            return super().__getitem__(name)
+
+        def __contains__(self, name):
+            read.add(name)
+            return super().__contains__(name)
+
+    model = _model()
+    module = model.model.layers[0].self_attn
+    q, k, v = (torch.randn(1, h, 1, 16, device=DEVICE) for h in (4, 2, 2))
+    tf_attention.call_variants(module, q, k, v, 0.0, Recording())
+    tf_attention.resolve_pattern(module, q, k, None, None, {})
+    assert read and read <= set(tf_attention._DECIDING_KEYWORDS), read - set(tf_attention._DECIDING_KEYWORDS)
+    assert tf_attention.replay_key(module, q, None, 0.0, 0.25, None, {"position_ids": 1}) is not None
+    for name in tf_attention._DECIDING_KEYWORDS:
+        assert tf_attention.replay_key(module, q, None, 0.0, 0.25, None, {name: 1}) is None
+    assert tf_attention.replay_key(module, q, torch.ones(1, 1, 1, 21, dtype=torch.bool), 0.0, 0.25, None, {}) is None
+
+
+def test_a_held_output_is_never_overwritten(monkeypatch):
+    """The graph's output buffer is handed out as it is; a caller that keeps a step's output (a view of it) past
+    the next step keeps its values: the layer records a new graph with a buffer of its own, which copies."""
+    model = _model()
+    inputs = _inputs(5)
+    want, _ = _layer_steps(model, monkeypatch, False, inputs)
+    got, layer = _layer_steps(model, monkeypatch, True, inputs, hold=2)  # step 3: the first replay
+    assert _close(got[2].reshape(want[2].shape), want[2])  # steps 4 and 5 ran after it
+    assert all(_close(g, w) for g, w in zip(got[3:], want[3:]))
+    assert layer.launch_memo()["step graph"].copy_out

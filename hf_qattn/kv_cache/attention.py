@@ -175,9 +175,29 @@ def _device_read(layer, pattern, window, chunk) -> bool:
     return window is None and chunk == layer.span
 
 
+def _on_device(query: torch.Tensor):
+    """The query's GPU made current where it is not (a model split over GPUs): launches and graphs are per device."""
+    if query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device()):
+        return torch.cuda.device(query.device)
+    return contextlib.nullcontext()
+
+
+def replay_recorded(query: torch.Tensor, key: PackedKV, scaling: float | None, call) -> torch.Tensor | None:
+    """The output (B, 1, Hq, D) of a one-token step replayed from the layer's step graph when the graph was recorded
+    by a call with the same key (``call``: the integration's key of every input its decisions read; see
+    :func:`hf_qattn.kv_cache.step_graph.replay_recorded`), else None: the caller decides as usual and calls
+    :func:`packed_attention` with the same ``call``."""
+    if key.layer.pending() is None:
+        return None
+    from . import step_graph  # (it imports this module)
+
+    with _on_device(query):
+        return step_graph.replay_recorded(key.layer, query, scaling, call)
+
+
 def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,
                      window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, call=None) -> torch.Tensor:
     """Attention of query (B, Hq, Nq, D) over the quantized layer behind ``key``: (B, Nq, Hq, D).
 
     ``pattern`` is the integration's reading of the mask (``causal``, ``kv_len``, ``kv_start``, ``kv_end``),
@@ -186,19 +206,19 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     position p sees keys p − W < j ≤ p, or j of p's chunk; one logit per query head in the denominator;
     scores c·tanh(s / c)). A sliding-window or chunked layer (:class:`~hf_qattn.kv_cache.cache.QAttnWindowLayer`)
     holds the last window / chunk-size tokens as a ring, which a one-token query reads whole (a window) or as a
-    slot range (a chunk, padding: :func:`_ring_read`), cyclic where it wraps around the ring's end.
+    slot range (a chunk, padding: :func:`_ring_read`), cyclic where it wraps around the ring's end. ``call``: the
+    key a step graph recorded here remembers (:func:`replay_recorded`), or None.
     """
     # the arguments as qattn takes them (a read of the cache is causal: its newest key is the query's position)
     variants = support.check_variants(window=window, chunk=chunk, sinks=sinks, softcap=softcap, is_causal=True,
                                       heads=query.shape[1], device=query.device)
     window, chunk, softcap = variants["window"], variants["chunk"], variants["softcap"]
     layer = key.layer
-    other_gpu = query.device.type == "cuda" and query.device.index not in (None, torch.cuda.current_device())
     if layer.pending() is not None:  # a deferred token: the layer's step graph
         from . import step_graph  # (it imports this module)
 
-        with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():  # graphs are per device
-            out = step_graph.run(layer, query, pattern, scaling, window, chunk, sinks, softcap)
+        with _on_device(query):  # graphs are per device
+            out = step_graph.run(layer, query, pattern, scaling, window, chunk, sinks, softcap, call)
         if out is not None:
             stats.record_call("triton")
             return out
@@ -226,7 +246,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
         by_device = store.device_length is not None and nk == store.length
     if _kernels_available(query.device):
         stats.record_call("triton")
-        with torch.cuda.device(query.device) if other_gpu else contextlib.nullcontext():
+        with _on_device(query):
             return decode_launch().decode(query, store, store.v_bar, store.capacity if by_device else nk,
                                         sm_scale=scaling, causal=pattern.causal, kv_start=kv_start,
                                         kv_end=kv_end, length=store.device_length if by_device else None,

@@ -331,6 +331,11 @@ class QAttnLayer(CacheLayerMixin):
         return CacheStorage(*self._buffers, self._k_bar, self._v_bar, self._length, self._capacity,
                             self._device_length, self._launches)
 
+    def launch_memo(self) -> dict:
+        """The launches bound to the current storage and its step graph (``CacheStorage.launches``), without
+        writing a deferred token (which :meth:`storage` does)."""
+        return self._launches
+
     def nbytes(self, used: bool = False) -> int:
         """Bytes of the storage: quantized K and V, their scales, a grouped format's incomplete group, the centers —
         as allocated (the whole capacity: what the cache takes from the device), or with ``used`` only the cached

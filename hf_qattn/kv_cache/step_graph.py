@@ -13,6 +13,12 @@ kernel reading the count — and later steps only copy q, k and v into the graph
 - the attention over the layer (:func:`run`) replays the layer's graph for a plain step — one query a row, no
   key range (padding), no window, chunk, sinks or soft-cap — and appends eagerly otherwise. The first such step
   runs eagerly in exactly the captured form (it compiles the kernels' specializations), the second captures.
+- the graph remembers the call that recorded it (``call``: the integration's key of every input its decisions
+  read, :func:`hf_qattn.integrations.transformers.attention.replay_key`); a later step with the same key replays
+  at once (:func:`replay_recorded`), without taking those decisions again.
+- the output is the graph's own buffer, handed out as an alias (no copy: a copy of a few KB costs the host a
+  ``cudaMemcpyAsync``, as much as the replay itself) while nothing else still holds the last step's output; the
+  first time something does, the layer records a new graph with a buffer of its own and copies from then on.
 
 The graph lives in the layer's launch memo, which is emptied whenever its storage moves (growth, a batch
 selection, a crop into a group, a reset): the next plain step warms and captures anew. ``HF_QATTN_STEP_GRAPHS=0``
@@ -22,8 +28,13 @@ graph) runs its own capture: no layer defers inside it.
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import functools
 
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .. import stats
 from ..kernels import settings
 from .attention import _captured_step, decode_launch
 
@@ -52,35 +63,75 @@ def _plain(query: torch.Tensor, layer, pattern, window, chunk, sinks, softcap) -
 
 
 class _StepGraph:
-    """One layer's captured step: input buffers for q, k, v, the output buffer, the graph."""
+    """One layer's captured step: input buffers for q, k, v, the output buffer, the graph, and the call that
+    recorded it (``call``; None: none to compare, the step is replayed only through :func:`run`)."""
 
-    def __init__(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, decode):
+    def __init__(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, decode, call,
+                 copy_out: bool = False):
         self.key = _signature(query, key, scaling)
+        self.call = call
         self.q, self.k, self.v = query.clone(), key.clone(), value.clone()
         self.out = _output_for(query)
+        self.copy_out = copy_out
+        self._out_storage = StorageWeakRef(self.out.untyped_storage())
+        self._own_uses = _uses(self._out_storage)  # the buffer's own references, before any alias is handed out
 
         def step():
             layer.append_pending(self.k, self.v)
             decode(self.q, self.out)
 
-        if query.is_cuda:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records, runs nothing
-                step()
-            self._run = graph.replay
-        else:  # the CPU tests: the recorded step, run as it is
-            self._run = step
+        self._run = _record(step).replay if query.is_cuda else step  # the CPU tests: the step, run as it is
+
+    def held(self) -> bool:
+        """Whether the output handed out last (or a view of it) is still alive: replaying would overwrite it."""
+        return not self.copy_out and _uses(self._out_storage) > self._own_uses
 
     def replay(self, query, key, value) -> torch.Tensor:
-        self.q.copy_(query)
-        self.k.copy_(key)
-        self.v.copy_(value)
+        # one launch for the three copies on a GPU (a multi-tensor copy: the buffers are clones, same strides)
+        torch._foreach_copy_((self.q, self.k, self.v), (query, key, value))
+        return self.execute()
+
+    def execute(self) -> torch.Tensor:
+        """The step on the inputs the buffers hold; its output."""
         self._run()
-        return self.out.clone()  # the buffer is overwritten by the layer's next step
+        return self.out.clone() if self.copy_out else self.out.detach()  # detach: an alias, counted by held()
+
+
+def _uses(storage: StorageWeakRef) -> int:
+    """Tensors (views included) that share the storage, however they were made (``torch._C``: what torch's own
+    CUDA-graph trees ask of their outputs)."""
+    return torch._C._storage_Use_Count(storage.cdata)
+
+
+def _record(step) -> torch.cuda.CUDAGraph:
+    """``step`` recorded as a CUDA graph (nothing runs), on a side stream of the current device. Not through
+    ``torch.cuda.graph``: that synchronises the device and empties the allocator's cache first, which in the middle
+    of a generation (a graph is re-recorded whenever a layer's storage grows) hands every cached block back to the
+    driver, and the model's next allocations wait for new ones."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream()
+    side = _capture_stream(current.device)
+    side.wait_stream(current)  # the inputs' clones are written on the current stream
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        try:
+            step()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the capture's own error would hide the step's
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    current.wait_stream(side)
+    return graph
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _signature(query: torch.Tensor, key: torch.Tensor, scaling) -> tuple:
-    return tuple(query.shape), query.dtype, tuple(key.shape), key.dtype, scaling
+    return query.shape, query.dtype, key.shape, key.dtype, scaling
 
 
 def _output_for(query: torch.Tensor) -> torch.Tensor:
@@ -88,16 +139,31 @@ def _output_for(query: torch.Tensor) -> torch.Tensor:
     return torch.empty(query.shape[0], 1, query.shape[1], query.shape[3], device=query.device, dtype=query.dtype)
 
 
-def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, softcap) -> torch.Tensor | None:
+def replay_recorded(layer, query: torch.Tensor, scaling, call) -> torch.Tensor | None:
+    """The step's output from the layer's graph when the graph was recorded by this very call (``call``: the key of
+    everything the integration's decisions read, which then end where they ended for the recording step) and
+    takes this query; else None (the caller takes its decisions and attends through :func:`run`)."""
+    entry, pending = layer.launch_memo().get(_MEMO_KEY), layer.pending()
+    if (pending is None or not isinstance(entry, _StepGraph) or entry.call is None or entry.call != call
+            or entry.held() or entry.key != _signature(query, pending[0], scaling)):
+        return None
+    key, value = layer.take_pending()
+    stats.record_call("triton")
+    return entry.replay(query, key, value)
+
+
+def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, softcap, call=None) -> torch.Tensor | None:
     """The step's attention output (B, 1, Hq, D) with the pending token appended, from the layer's graph
     (captured here on its second plain step), or None where the step is not plain (the caller appends the
-    token eagerly and attends as usual). Arguments as ``packed_attention``'s."""
+    token eagerly and attends as usual). Arguments as ``packed_attention``'s; ``call`` as :func:`replay_recorded`'s."""
     if not _plain(query, layer, pattern, window, chunk, sinks, softcap):
         return None
     key, value = layer.take_pending()  # written below, by the graph or eagerly
-    memo = layer.storage().launches  # the current storage's launch memo
+    memo = layer.launch_memo()
     entry = memo.get(_MEMO_KEY)
-    if isinstance(entry, _StepGraph) and entry.key == _signature(query, key, scaling):
+    signature = _signature(query, key, scaling)
+    if isinstance(entry, _StepGraph) and entry.key == signature and not entry.held():
+        entry.call = call
         return entry.replay(query, key, value)
 
     def decode(q, out):  # the captured form, run eagerly or recorded alike: every slot to the device-side count
@@ -105,13 +171,15 @@ def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, soft
         decode_launch().decode(q, store, store.v_bar, store.capacity, sm_scale=scaling, causal=pattern.causal,
                                length=store.device_length, k_bar=store.k_bar, out=out, launches=store.launches)
 
-    if entry != _WARM:  # the first plain step on this storage or shape: eagerly, as the graph will run it
+    if isinstance(entry, _StepGraph) and entry.key == signature:  # the last output is still held: a new buffer
+        step = _StepGraph(layer, query, key, value, scaling, decode, call, copy_out=True)
+    elif entry != _WARM:  # the first plain step on this storage or shape: eagerly, as the graph will run it
         layer.append_pending(key, value)
         out = _output_for(query)
         decode(query, out)
         memo[_MEMO_KEY] = _WARM
         return out
-    step = _StepGraph(layer, query, key, value, scaling, decode)  # its inputs hold this step's q, k, v
+    else:
+        step = _StepGraph(layer, query, key, value, scaling, decode, call)  # its inputs hold this step's q, k, v
     memo[_MEMO_KEY] = step
-    step._run()
-    return step.out.clone()
+    return step.execute()

@@ -68,6 +68,10 @@ REASON_CALIBRATION_VARIANT = "calibration does not score chunks shifted by paddi
 
 # Keyword arguments whose math SDPA cannot express: a full-precision fallback runs the model's eager attention.
 _EAGER_ONLY = ("softcap", "s_aux", "sinks", "indices", "block_indices")
+# Every keyword argument the decisions read (_unsupported, model_variants): a call with none of them set has the
+# replay key of replay_key (a test holds the decisions to this list).
+_DECIDING_KEYWORDS = ("indices", "block_indices", "output_attentions", "position_bias", "cache", "sliding_window",
+                      "s_aux", "sinks", "softcap")
 # Llama 4's chunked layers: the config names them (no keyword of the call carries the chunk size).
 _CHUNKED_LAYER = "chunked_attention"
 
@@ -414,6 +418,10 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         return _compiled_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, is_causal=is_causal, **kwargs)
     if kv_attention.is_packed(key):  # a QAttnCache layer: attend to its quantized storage directly
+        call = replay_key(module, query, attention_mask, dropout, scaling, is_causal, kwargs)
+        out = kv_attention.replay_recorded(query, key, scaling, call) if call is not None else None
+        if out is not None:  # the layer's step graph, recorded by a call with this key: decided then
+            return out, None
         variants, reason = call_variants(module, query, key, value, dropout, kwargs)
         if reason is None:
             pattern, reason = kv_attention.step_pattern(query, key, lambda: resolve_pattern(
@@ -421,7 +429,7 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         # chunks that need realigning (several queries over a full layer's storage) are read dequantized below
         if reason is None and pattern.chunk_shift is None:
             return kv_attention.packed_attention(query, key, pattern, scaling, window=pattern.window,
-                                                 chunk=pattern.chunk, **_score_options(variants)), None
+                                                 chunk=pattern.chunk, call=call, **_score_options(variants)), None
         key, value = kv_attention.dequantize(key), kv_attention.dequantize(value)  # the paths below serve the rest
     observer = _calibrator.get()
     if observer is not None:
@@ -454,6 +462,24 @@ def qattn_attention_forward(module, query, key, value, attention_mask, dropout: 
         _watch_outlier_channel(module, key)
     out = _quantized(query, key, value, pattern, precision, scaling, split, _score_options(variants))
     return out.transpose(1, 2).contiguous(), None
+
+
+def replay_key(module, query, attention_mask, dropout, scaling, is_causal, kwargs) -> tuple | None:
+    """What a call over a QAttnCache layer hands the decisions above (:func:`call_variants`, :func:`resolve_pattern`)
+    when it has no mask and none of their keywords set — the module (its config: the chunk, the layer), the query's
+    shape, dtype, device and gradient, dropout, scaling, ``is_causal`` — or None for any other call. A step graph
+    recorded by a call keeps its key: a later call with an equal key is decided alike, and replays at once
+    (:func:`hf_qattn.kv_cache.attention.replay_recorded`), which saves a decode step's host time. The key leaves out
+    the key count, which the decisions read only against a window or chunk: graphs are recorded on full-attention
+    layers only (QAttnCache builds sliding and chunked layers from the same config as rings, which append eagerly)."""
+    if attention_mask is not None:
+        return None
+    for name in _DECIDING_KEYWORDS:
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            return None
+    grad = torch.is_grad_enabled() and query.requires_grad
+    return module, query.shape, query.dtype, query.device, grad, dropout, scaling, is_causal
 
 
 def _watch_outlier_channel(module, key: torch.Tensor) -> None:
