@@ -2,6 +2,10 @@
 
     bash eval/device_run.sh python3 eval/studies/probe_generate_step.py [PROMPT [MODES [cprofile]]]   e.g. 16384 qattn,flash
     bash eval/device_run.sh python3 eval/studies/probe_generate_step.py alternate 4096,16384
+    bash eval/device_run.sh python3 eval/studies/probe_generate_step.py layers 4096
+
+``layers``: the host's µs a layer of the eager step's attention function and cache update (SDPA flash +
+DynamicCache against qattn + QAttnCache), three rounds, then a cProfile of 16 steps of each.
 
 Modes: ``sdpa`` (cuDNN) and ``flash`` (SDPA's flash backend) + DynamicCache, ``qattn`` + QAttnCache (int8).
 Prefill a prompt, then 24 greedy steps, each timed by CUDA events (what bench_decode reports) and by the
@@ -143,13 +147,88 @@ def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
               f"range {min(ratios):.3f}–{max(ratios):.3f} ({rounds} rounds of {steps} steps)", flush=True)
 
 
+@torch.no_grad()
+def layers(model, prompt: int, rounds: int = 3, steps: int = 48):
+    """Host µs a layer of the attention function and of the cache layer's update within eager steps (flash and
+    qattn in turn, ``rounds`` times), then a cProfile of 16 steps of each mode."""
+    import cProfile
+    import pstats
+
+    from transformers import cache_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_qattn.kv_cache.cache import QAttnLayer
+
+    spent = {}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return call
+
+    attention = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("sdpa", "qattn")}
+    updates = {cls: cls.update for cls in (cache_utils.DynamicLayer, QAttnLayer)}
+    for name, fn in attention.items():
+        ALL_ATTENTION_FUNCTIONS[name] = timed("attention", fn)
+    for cls, fn in updates.items():
+        cls.update = timed("update", fn)
+    try:
+        for rnd in range(rounds):
+            for mode in ("flash", "qattn"):
+                cache = _new_cache(model, mode)
+                with _use(model, mode):
+                    ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+                    token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+                    def step():
+                        nonlocal token
+                        token = model(token, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+
+                    for _ in range(8):
+                        step()
+                    torch.cuda.synchronize()
+                    spent.clear()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        step()
+                    issue = (time.perf_counter() - t0) * 1e3 / steps
+                    torch.cuda.synchronize()
+                    wall = (time.perf_counter() - t0) * 1e3 / steps
+                    per_layer = {name: round(t / steps / model.config.num_hidden_layers * 1e6, 1)
+                                 for name, t in spent.items()}
+                    print(f"round {rnd} {mode:6s} L={prompt}: host issue {issue:.2f} ms/step, wall {wall:.2f}; "
+                          f"µs a layer {per_layer}", flush=True)
+                    if rnd == rounds - 1:
+                        profiler = cProfile.Profile()
+                        profiler.enable()
+                        for _ in range(16):
+                            step()
+                        torch.cuda.synchronize()
+                        profiler.disable()
+                        print(f"--- cProfile {mode}, 16 steps")
+                        stats = pstats.Stats(profiler).strip_dirs()
+                        stats.sort_stats("tottime").print_stats(35)
+                        stats.sort_stats("cumulative").print_stats(r"attention|cache|step_graph|support|update|sdpa", 30)
+                del cache
+                torch.cuda.empty_cache()
+    finally:
+        for name, fn in attention.items():
+            ALL_ATTENTION_FUNCTIONS[name] = fn
+        for cls, fn in updates.items():
+            cls.update = fn
+
+
 def main():
     import sys
 
-    if len(sys.argv) > 1 and sys.argv[1] == "alternate":
+    if len(sys.argv) > 1 and sys.argv[1] in ("alternate", "layers"):
         model = build()
         for prompt in (int(n) for n in sys.argv[2].split(",")):
-            alternate(model, prompt)
+            (alternate if sys.argv[1] == "alternate" else layers)(model, prompt)
         return
     prompt = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["sdpa", "qattn", "sdpa"]  # sdpa twice: first-run effects
