@@ -116,11 +116,12 @@ def call_gap(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dro
 
 
 def below_break_even(query: torch.Tensor, num_keys: int, *, causal: bool, variant: bool) -> bool:
-    """Whether a transformers attention call of these queries over ``num_keys`` keys is better served by SDPA:
-    on a GPU where the quantized kernels, quantization included, were measured slower than full precision below
-    a count of queries and keys (``break_even`` in kernels.json, by arch, head dim and causality), SDPA is both
-    faster and exact there. ``min(queries, keys)`` is the count: the K/V pass quantizes every key once per call,
-    which only many queries pay back (a one-token step over a full-precision cache never does). fp16/bf16
+    """Whether an attention call of the integrations (transformers, diffusers) of these queries over ``num_keys``
+    keys is better served by SDPA: on a GPU where the quantized kernels, quantization included, were measured
+    slower than full precision below a count of queries and keys (``break_even`` in kernels.json, by arch, head
+    dim and causality), SDPA is both faster and exact there. ``min(queries, keys)`` is the count: the K/V pass
+    quantizes every key once per call, which only many queries pay back (a one-token step over a full-precision
+    cache, a cross-attention over a few text tokens never do). fp16/bf16
     only (the floors compare with the half-precision kernels), never for a window, chunk, sinks or soft-cap
     (``variant``: transformers' path for those computes every masked score) and never with
     ``HF_QATTN_BREAK_EVEN=0``. :func:`hf_qattn.qattn` itself always runs the kernel it is asked for."""

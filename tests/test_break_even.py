@@ -133,3 +133,40 @@ def test_sm90_short_llm_prefill_is_sdpa_by_default(tiny_model, fresh_stats, monk
     hf_qattn.reset_fallback_stats()
     _logits(qattn, ids)
     assert fresh_stats()["calls"] == {support.HOPPER: qattn.config.num_hidden_layers}
+
+
+def _tiny_wan():
+    diffusers = pytest.importorskip("diffusers")
+    tr = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                         in_channels=4, out_channels=4, text_dim=32, freq_dim=16, ffn_dim=32,
+                                         num_layers=2, rope_max_seq_len=32).to(DEVICE, torch.bfloat16).eval()
+    inputs = dict(hidden_states=torch.randn(1, 4, 3, 8, 8, device=DEVICE, dtype=torch.bfloat16),  # 3 × 16 tokens
+                  timestep=torch.tensor([500], device=DEVICE),
+                  encoder_hidden_states=torch.randn(1, 8, 32, device=DEVICE, dtype=torch.bfloat16))  # 8 text tokens
+    return tr, inputs
+
+
+def _denoise(tr, inputs):
+    with torch.no_grad():
+        return tr(**inputs, return_dict=False)[0]
+
+
+def test_diffusers_short_calls_are_sdpa(floor, fresh_stats, monkeypatch):
+    """The diffusers patch routes as the transformers integration does: a tiny Wan block's cross-attention (48
+    image queries over 8 text keys) is below the floor of 24, its self-attention (48 over 48) is not; with the
+    floor above both, the patched denoiser is the unpatched one bit for bit."""
+    tr, inputs = _tiny_wan()
+    want = _denoise(tr, inputs)
+    with hf_qattn.patch(tr, plan="int8"):
+        got = _denoise(tr, inputs)
+    calls = fresh_stats()["calls"]
+    assert calls.pop(support.BELOW_BREAK_EVEN) == 2  # one cross-attention a block
+    assert sum(calls.values()) == 2 and not fresh_stats()["fallbacks"]  # the self-attentions, quantized
+    assert not torch.equal(got, want)
+    assert torch.nn.functional.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0) > 0.99
+
+    monkeypatch.setattr(tuning, "break_even", lambda arch, head_dim, causal: 10 ** 6)
+    hf_qattn.reset_fallback_stats()
+    with hf_qattn.patch(tr, plan="int8"):
+        assert torch.equal(_denoise(tr, inputs), want)
+    assert fresh_stats()["calls"] == {support.BELOW_BREAK_EVEN: 4}

@@ -337,8 +337,10 @@ class _PatchedDenoiser:
     def serve(self, layer: int, named: dict, full_precision, *, return_lse: bool = False, gap: str | None = None):
         """One attention call of ``layer``, given by SDPA's arguments (``named``, see
         :func:`~.sdpa.sdpa_arguments`): qattn at the plan's precision, or ``full_precision()`` — what the
-        model computes without the patch — where the plan or a ``gap`` (the caller's reason, else the
-        kernel's) says so. With ``return_lse`` (a ring shard) the result is (output, natural-log LSE)."""
+        model computes without the patch — where the plan, a ``gap`` (the caller's reason, else the
+        kernel's) or the GPU's break-even (:func:`hf_qattn.support.below_break_even`, counted as
+        ``sdpa-below-break-even``) says so. With ``return_lse`` (a ring shard) the result is (output, natural-log
+        LSE)."""
         kernel_reason, pattern = kernel_gap(named)
         gap = gap or kernel_reason
         tracker = self.owner.tracker
@@ -355,6 +357,12 @@ class _PatchedDenoiser:
             else self.plan.precision(layer)
         if precision == UNQUANTIZED:
             ops.record(support.UNQUANTIZED_BY_PLAN)
+            return full_precision()
+        # too short for the kernels to beat SDPA on this GPU (a cross-attention over a few hundred text tokens, an
+        # image model's few thousand): SDPA, exact. A ring shard needs the kernel's LSE: never routed.
+        if not return_lse and support.below_break_even(named["query"], pattern.kv_len, causal=pattern.causal,
+                                                       variant=False):
+            ops.record(support.BELOW_BREAK_EVEN)
             return full_precision()
         return run_qattn(named, precision, pattern, return_lse=return_lse)
 
