@@ -56,18 +56,40 @@ def _new_cache(model, mode: str):
     return hf_qattn.QAttnCache(model, plan="int8") if mode.startswith("qattn") else tf.DynamicCache(config=model.config)
 
 
+def _prefilled(model, mode: str, prompt: int):
+    """A fresh cache for ``mode`` filled by a random prompt, and a function running one greedy decode step over it
+    (call both under ``_use(model, mode)`` and ``torch.no_grad()``)."""
+    cache = _new_cache(model, mode)
+    ids = torch.randint(1, model.config.vocab_size, (1, prompt), device=model.device)
+    token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+    def step():
+        nonlocal token
+        token = model(token, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+
+    return cache, step
+
+
+def _cprofile(step, steps: int, rows: int, cumulative_filter=None, cumulative_rows: int = 40):
+    """Prints a cProfile of ``steps`` calls of ``step``: functions by own time, then by cumulative time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(*(a for a in (cumulative_filter, cumulative_rows) if a is not None))
+
+
 @torch.no_grad()
 def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
-    backends = _use(model, mode)
-    cache = _new_cache(model, mode)
-    with backends:
-        ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
-        out = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
-
-        def step():
-            nonlocal token
-            token = model(token, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+    with _use(model, mode):
+        _, step = _prefilled(model, mode, prompt)
 
         # events and the host clock around the same synchronised step (bench_decode's per-step timing), then
         # an unsynchronised run: three views of one step at once, so not one of eval/timing.py's loops
@@ -101,18 +123,7 @@ def probe(model, mode: str, prompt: int = 4096, cprofile: bool = False):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
         if cprofile:
-            import cProfile
-            import pstats
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(8):
-                step()
-            torch.cuda.synchronize()
-            profiler.disable()
-            stats = pstats.Stats(profiler).strip_dirs()
-            stats.sort_stats("tottime").print_stats(30)
-            stats.sort_stats("cumulative").print_stats(40)
+            _cprofile(step, 8, 30)
 
 
 @torch.no_grad()
@@ -122,25 +133,22 @@ def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
     ``rounds`` blocks each, no profiler (the profiler's hooks slow every launch after it): the host's speed
     drifts on a shared machine, so the two are compared block by block. Prints the median ms a step of each
     and of their per-round ratio."""
-    runs = {}
+    runs = {}  # mode: (step, ms a step of each round)
     for mode in ("flash", "qattn", "qattn, step graphs off"):
-        cache = _new_cache(model, mode)
         with _use(model, mode):
-            ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
-            token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        runs[mode] = [cache, token, []]
+            runs[mode] = (_prefilled(model, mode, prompt)[1], [])
     for _ in range(rounds + 1):  # the first round warms up
-        for mode, run in runs.items():
+        for mode, (step, times) in runs.items():
             with _use(model, mode):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(steps):
-                    run[1] = model(run[1], **{CACHE_KW: run[0]}, use_cache=True).logits[:, -1:].argmax(-1)
+                    step()
                 torch.cuda.synchronize()
-            run[2].append((time.perf_counter() - t0) * 1e3 / steps)
-    flash = runs["flash"][2][1:]
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
+    flash = runs["flash"][1][1:]
     for mode in ("qattn", "qattn, step graphs off"):
-        qattn = runs[mode][2][1:]
+        qattn = runs[mode][1][1:]
         ratios = [f / q for f, q in zip(flash, qattn)]
         print(f"== alternating L={prompt}: flash {statistics.median(flash):.2f} ms/step, {mode} "
               f"{statistics.median(qattn):.2f} ms/step, flash/qattn per round: median {statistics.median(ratios):.3f}, "
@@ -151,9 +159,6 @@ def alternate(model, prompt: int, rounds: int = 8, steps: int = 24):
 def layers(model, prompt: int, rounds: int = 3, steps: int = 48):
     """Host µs a layer of the attention function and of the cache layer's update within eager steps (flash and
     qattn in turn, ``rounds`` times), then a cProfile of 16 steps of each mode."""
-    import cProfile
-    import pstats
-
     from transformers import cache_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -179,15 +184,8 @@ def layers(model, prompt: int, rounds: int = 3, steps: int = 48):
     try:
         for rnd in range(rounds):
             for mode in ("flash", "qattn"):
-                cache = _new_cache(model, mode)
                 with _use(model, mode):
-                    ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
-                    token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-
-                    def step():
-                        nonlocal token
-                        token = model(token, **{CACHE_KW: cache}, use_cache=True).logits[:, -1:].argmax(-1)
-
+                    cache, step = _prefilled(model, mode, prompt)
                     for _ in range(8):
                         step()
                     torch.cuda.synchronize()
@@ -203,17 +201,9 @@ def layers(model, prompt: int, rounds: int = 3, steps: int = 48):
                     print(f"round {rnd} {mode:6s} L={prompt}: host issue {issue:.2f} ms/step, wall {wall:.2f}; "
                           f"µs a layer {per_layer}", flush=True)
                     if rnd == rounds - 1:
-                        profiler = cProfile.Profile()
-                        profiler.enable()
-                        for _ in range(16):
-                            step()
-                        torch.cuda.synchronize()
-                        profiler.disable()
                         print(f"--- cProfile {mode}, 16 steps")
-                        stats = pstats.Stats(profiler).strip_dirs()
-                        stats.sort_stats("tottime").print_stats(35)
-                        stats.sort_stats("cumulative").print_stats(r"attention|cache|step_graph|support|update|sdpa", 30)
-                del cache
+                        _cprofile(step, 16, 35, r"attention|cache|step_graph|support|update|sdpa", 30)
+                del cache, step
                 torch.cuda.empty_cache()
     finally:
         for name, fn in attention.items():
