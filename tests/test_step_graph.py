@@ -241,3 +241,16 @@ def test_a_held_output_is_never_overwritten(monkeypatch):
     assert _close(got[2].reshape(want[2].shape), want[2])  # steps 4 and 5 ran after it
     assert all(_close(g, w) for g, w in zip(got[3:], want[3:]))
     assert layer.launch_memo()["step graph"].copy_out
+
+
+def test_without_torchs_storage_count_every_output_is_a_copy(monkeypatch):
+    """A torch without ``torch._C._storage_Use_Count`` (a private function) gets graphs that copy their outputs:
+    the same answers, no held-output check to run."""
+    monkeypatch.setattr(step_graph, "_STORAGE_USES", None)
+    model = _model()
+    inputs = _inputs(4)
+    want, _ = _layer_steps(model, monkeypatch, False, inputs)
+    got, layer = _layer_steps(model, monkeypatch, True, inputs, hold=2)
+    assert _close(got[2].reshape(want[2].shape), want[2]) and _close(got[3], want[3])
+    graph = layer.launch_memo()["step graph"]
+    assert graph.copy_out and not graph.held()

@@ -72,9 +72,10 @@ class _StepGraph:
         self.call = call
         self.q, self.k, self.v = query.clone(), key.clone(), value.clone()
         self.out = _output_for(query)
-        self.copy_out = copy_out
-        self._out_storage = StorageWeakRef(self.out.untyped_storage())
-        self._own_uses = _uses(self._out_storage)  # the buffer's own references, before any alias is handed out
+        self.copy_out = copy_out or _STORAGE_USES is None  # a torch without the count: always a copy
+        if not self.copy_out:
+            self._out_storage = StorageWeakRef(self.out.untyped_storage())
+            self._own_uses = _uses(self._out_storage)  # the buffer's own references, before any alias is handed out
 
         def step():
             layer.append_pending(self.k, self.v)
@@ -97,10 +98,14 @@ class _StepGraph:
         return self.out.clone() if self.copy_out else self.out.detach()  # detach: an alias, counted by held()
 
 
+# torch's count of the references to a storage (its CUDA-graph trees ask it of their outputs): private, so read
+# once here; without it every step graph copies its output
+_STORAGE_USES = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _uses(storage: StorageWeakRef) -> int:
-    """Tensors (views included) that share the storage, however they were made (``torch._C``: what torch's own
-    CUDA-graph trees ask of their outputs)."""
-    return torch._C._storage_Use_Count(storage.cdata)
+    """Tensors (views included) that share the storage, however they were made."""
+    return _STORAGE_USES(storage.cdata)
 
 
 def _record(step) -> torch.cuda.CUDAGraph:
