@@ -125,13 +125,17 @@ def wan(device, dtype, tiny: bool, repeats: int):
 
     def timed(name, plan, break_even=True):
         handle = hf_qattn.patch(transformer, plan=plan) if plan is not None else None
+        before = os.environ.get("HF_QATTN_BREAK_EVEN")
         os.environ["HF_QATTN_BREAK_EVEN"] = "1" if break_even else "0"
         try:
             with torch.no_grad():
                 outs[name] = call().float()
                 ms = events_ms(call, repeats=repeats, warmup=2)
         finally:
-            os.environ.pop("HF_QATTN_BREAK_EVEN")
+            if before is None:
+                os.environ.pop("HF_QATTN_BREAK_EVEN")
+            else:
+                os.environ["HF_QATTN_BREAK_EVEN"] = before
         if handle is not None:
             hf_qattn.unpatch(transformer)
         rows.append({"model": f"Wan-shaped {sizes['num_layers']} blocks", "tokens": video_tokens, "attention": name,

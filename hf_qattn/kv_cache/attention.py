@@ -192,7 +192,10 @@ def replay_recorded(query: torch.Tensor, key: PackedKV, scaling: float | None, c
     from . import step_graph  # (it imports this module)
 
     with _on_device(query):
-        return step_graph.replay_recorded(key.layer, query, scaling, call)
+        out = step_graph.replay_recorded(key.layer, query, scaling, call)
+    if out is not None:
+        stats.record_call("triton")
+    return out
 
 
 def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float | None, *,

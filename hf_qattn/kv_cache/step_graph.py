@@ -34,7 +34,6 @@ import functools
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import stats
 from ..kernels import settings
 from .attention import _captured_step, decode_launch
 
@@ -152,9 +151,7 @@ def replay_recorded(layer, query: torch.Tensor, scaling, call) -> torch.Tensor |
     if (pending is None or not isinstance(entry, _StepGraph) or entry.call is None or entry.call != call
             or entry.held() or entry.key != _signature(query, pending[0], scaling)):
         return None
-    key, value = layer.take_pending()
-    stats.record_call("triton")
-    return entry.replay(query, key, value)
+    return entry.replay(query, *layer.take_pending())
 
 
 def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, softcap, call=None) -> torch.Tensor | None:
@@ -166,8 +163,8 @@ def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, soft
     key, value = layer.take_pending()  # written below, by the graph or eagerly
     memo = layer.launch_memo()
     entry = memo.get(_MEMO_KEY)
-    signature = _signature(query, key, scaling)
-    if isinstance(entry, _StepGraph) and entry.key == signature and not entry.held():
+    fits = isinstance(entry, _StepGraph) and entry.key == _signature(query, key, scaling)
+    if fits and not entry.held():
         entry.call = call
         return entry.replay(query, key, value)
 
@@ -176,7 +173,7 @@ def run(layer, query: torch.Tensor, pattern, scaling, window, chunk, sinks, soft
         decode_launch().decode(q, store, store.v_bar, store.capacity, sm_scale=scaling, causal=pattern.causal,
                                length=store.device_length, k_bar=store.k_bar, out=out, launches=store.launches)
 
-    if isinstance(entry, _StepGraph) and entry.key == signature:  # the last output is still held: a new buffer
+    if fits:  # the last output is still held: a new graph with a buffer of its own
         step = _StepGraph(layer, query, key, value, scaling, decode, call, copy_out=True)
     elif entry != _WARM:  # the first plain step on this storage or shape: eagerly, as the graph will run it
         layer.append_pending(key, value)
