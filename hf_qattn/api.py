@@ -50,6 +50,15 @@ def _check_sm_scale(sm_scale) -> float | None:
     return float(sm_scale)
 
 
+def _filled(t):
+    """``t`` itself, or, for the output of a collective of torch's functional API that may still be in flight
+    (an ``AsyncCollectiveTensor``: diffusers' ring all-gathers K and V into one, Ulysses exchanges heads by
+    one), the tensor it wraps once the collective has filled it. Torch ops wait for such a tensor by
+    themselves; the kernels read its memory directly (its own ``data_ptr()`` is 0), so they must not see it."""
+    wait = None if type(t) is torch.Tensor else getattr(t, "trigger_wait", None)
+    return t if wait is None else wait()
+
+
 def _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end):
     _choice("qk", qk, QK_CHOICES)
     _choice("pv", pv, PV_CHOICES)
@@ -157,6 +166,7 @@ def qattn(
     Inference only: with gradients required, ``"auto"`` falls back to SDPA (counted), a forced
     backend raises ``RuntimeError``.
     """
+    q, k, v = _filled(q), _filled(k), _filled(v)
     qh, kh, vh = _validate(q, k, v, layout, qk, pv, backend, kv_start, kv_end)
     sm_scale = _check_sm_scale(sm_scale)
     if split_channel is None:

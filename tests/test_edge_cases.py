@@ -263,3 +263,26 @@ def test_kernel_reads_start_after_end_as_an_empty_range(seed):
                                          return_lse=True)
         assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
         assert torch.isfinite(out[0]).all()
+
+
+def test_a_collectives_unfinished_output_is_waited_for_before_the_kernels_read_it(monkeypatch):
+    """diffusers' ring attention hands a shard's K and V over as an ``AsyncCollectiveTensor`` (the all-gather
+    may still be in flight; its own ``data_ptr()`` is 0): the kernels must get the filled tensor."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    q, k, v = qkv(b=1, h=2, n=40, d=32)
+    backend = "auto" if DEVICE == "cuda" else "triton"
+    expected = hf_qattn.qattn(q, k, v, backend=backend, return_lse=True)
+    shards = [AsyncCollectiveTensor(t) for t in (q, k, v)]
+    seen = []
+    run = hf_qattn.api.ops.run
+
+    def recording_run(q, k, v, *args, **kwargs):
+        seen.extend(type(t) for t in (q, k, v))
+        return run(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(hf_qattn.api.ops, "run", recording_run)
+    out, lse = hf_qattn.qattn(*(t.transpose(1, 2) for t in shards), layout="NHD", backend=backend, return_lse=True)
+    assert seen == [torch.Tensor] * 3
+    torch.testing.assert_close(out.transpose(1, 2), expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
