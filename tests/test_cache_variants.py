@@ -394,6 +394,21 @@ def _integration_passes_variants() -> bool:
     return hasattr(integration, "model_variants")
 
 
+def _logits_bound(kind: str, position: int) -> float:
+    """The lowest logits cosine to eager attention accepted for the call whose last token sits at ``position``.
+
+    Gemma 2: the prefill alone (no cache yet) measured cos 0.9981-0.9996 to eager over seeds, the qattn prefill's
+    quantization through its post-attention norms (tests/test_model_variants.py measured the same).
+    Llama 4: a query in the first three positions of a chunk sees 1-3 keys in its chunked layers, whose output is
+    then those few V rows as FP8 stored them (3 mantissa bits, nothing averages the rounding): over 13 seeds the
+    lowest there was 0.9989 (position 25), at the other positions 0.99926; over 26 seeds of the several-token
+    test 0.99882 (position 24; the cache's PyTorch reference gives the same, 0.99884, so the format's rounding and
+    not the kernel), ≥ 0.9991 elsewhere. A chunked layer that read every held key instead gives 0.05-0.57 there."""
+    if kind == "gemma2":
+        return 0.997
+    return 0.998 if kind == "llama4" and position % WINDOW < 3 else 0.999
+
+
 @pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2", "llama4"])
 def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
     """Prompt of 20 tokens (> the window / chunk of 8), 10 decode steps: logits cosine ≥ 0.999 to
@@ -425,15 +440,8 @@ def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
                 assert first == max(seen - layer.span, 0)
     decode_stats = hf_qattn.fallback_stats()
     print(kind, "prefill:", prefill, "decode:", decode_stats, "cosines:", [round(c, 5) for c in cosines])
-    # Gemma 2: the prefill alone (no cache yet) measured cos 0.9981-0.9996 to eager over seeds, the qattn prefill's
-    # quantization through its post-attention norms (tests/test_model_variants.py measured the same).
-    # Llama 4: a query in the first three positions of a chunk (steps at positions 24-26) sees 1-3 keys in its
-    # chunked layers, whose output is then those few V rows as FP8 stored them (3 mantissa bits, nothing averages
-    # the rounding): over 13 seeds the lowest there was 0.9989 (position 25), at the other positions 0.99926
     positions = range(19, 30)  # the prefill's last token, then each decode step's
-    bounds = [0.997 if kind == "gemma2" else 0.998 if kind == "llama4" and p % WINDOW < 3 else 0.999
-              for p in positions]
-    assert all(c >= bound for c, bound in zip(cosines, bounds)), cosines
+    assert all(c >= _logits_bound(kind, p) for c, p in zip(cosines, positions)), cosines
     assert cache.get_seq_length() == 30
     if _integration_passes_variants():  # every decode call read the quantized cache, none fell back
         assert decode_stats["fallbacks"] == {}, decode_stats
@@ -444,8 +452,8 @@ def test_tiny_models_generate_with_the_quantized_window_cache(seed, kind):
 @pytest.mark.parametrize("kind", ["mistral", "llama4"])
 def test_several_token_steps_over_a_filled_window_cache(seed, kind):
     """A prompt fed in two calls (14 + 6 tokens: the second straddles a window / chunk edge over a filled layer),
-    a 3-token step, then one-token steps: logits cosine ≥ 0.999 to DynamicCache + eager at each call, and no
-    call falls back."""
+    a 3-token step, then one-token steps: logits cosine to DynamicCache + eager at each call ≥ 0.999 (0.998 at a
+    chunk's first tokens: _logits_bound), and no call falls back."""
     config, model, eager = _tiny_pair(kind)
     keyword = cache_argument(model)
     cache, theirs = hf_qattn.QAttnCache(model), transformers.DynamicCache(config=config)
@@ -459,7 +467,8 @@ def test_several_token_steps_over_a_filled_window_cache(seed, kind):
             ours = model(step, use_cache=True, **{keyword: cache}).logits
             their_logits = eager(step, use_cache=True, **{keyword: theirs}).logits
             cosines.append(cosine(ours, their_logits))
-    assert min(cosines) >= 0.999, cosines
+    last_positions = (13, 19, 22, 23, 24, 25)  # each call's last token
+    assert all(c >= _logits_bound(kind, p) for c, p in zip(cosines, last_positions)), cosines
     assert cache.get_seq_length() == theirs.get_seq_length() == 26
     if _integration_passes_variants():  # the several-token steps run qattn over the K/V the layers gave them
         assert hf_qattn.fallback_stats()["fallbacks"] == {}, hf_qattn.fallback_stats()
