@@ -4,7 +4,7 @@
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
         python3 eval/ncu_case.py decode-int8
 
-Cases: ``decode-int8`` / ``decode-int4`` (one decode step, B8 Hq32/Hk8 L64k d128, bf16 queries, the
+Cases: ``decode-int8`` / ``decode-int4`` / ``decode-int8g`` (one decode step, B8 Hq32/Hk8 L64k d128, bf16 queries, the
 launcher's split plan); ``prefill-<shape>`` (qattn on the Hopper path, B4 H32 fp16: the centers, K/V-pass
 and attention kernels) and ``cudnn-<shape>`` (SDPA's cuDNN backend), shapes 1k, 8k, 8k-causal, 4k-d64
 (see PREFILL). Each case runs 5 times; skip the first launches (compilation) in ncu.
@@ -28,11 +28,11 @@ def main(case: str) -> None:
         from hf_qattn.kv_cache import reference as kv_reference
         from hf_qattn.kernels import decode_launch
 
-        int4 = case.endswith("int4")
+        precision = case.split("-", 1)[1]
         b, hq, hk, n, d = 8, 32, 8, 65536, 128
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         k_bar, v_bar = kv_reference.centers(k, v)
-        buf = kv_reference.allocate(b, hk, n, d, "int4" if int4 else "int8", "cuda")
+        buf = kv_reference.allocate(b, hk, n, d, precision, "cuda", k.dtype)
         decode_launch.append(k, v, k_bar, v_bar, buf, 0)
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         for _ in range(5):
@@ -49,7 +49,7 @@ def main(case: str) -> None:
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                     torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     else:
-        raise SystemExit(f"unknown case {case!r}: decode-int8, decode-int4, prefill-/cudnn- + {list(PREFILL)}")
+        raise SystemExit(f"unknown case {case!r}: decode-int8, decode-int4, decode-int8g, prefill-/cudnn- + {list(PREFILL)}")
     torch.cuda.synchronize()
 
 

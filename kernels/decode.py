@@ -27,12 +27,13 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
 
     S = (q · K̂ᵀ) · δK · sm_scale·log2 e       INT8: K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
     S = ((q ⊙ scale) · uᵀ + q · zero) · …     INT4: one group a tile, its scales folded into q (bf16)
-    S = ((q̂ ⊙ scale) · (u − φ)ᵀ + q̂ · zero) · max|q|   G8: the same at 8 bits, q̂ = q / max|q| per row, q̂ ⊙ scale
+    S = ((q̂ ⊙ scale) · (u − φ)ᵀ + q̂ · zero) · max|q|   G8: the same at 8 bits, q̂ = q / max|q| per row and q̂ ⊙ scale
                                                in fp16, one dot; φ the group's row dither (formats.KV_GROUP_DITHERED)
     S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
     O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
-    O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16, u exact; (P · vr) on the incomplete group
+    O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16 (ΣP of it, the denominator's too), u exact; (P · vr) on
+                                               the incomplete group
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i); ``WINDOW`` keys
@@ -259,6 +260,15 @@ def _dot_t(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _fp16_1024_plus(u):
+    """1024 + u in fp16 for u ∈ [0, 255] (exact) without a conversion instruction: the bits 0x6400 | u, one byte
+    permute (``prmt``) for two values; Triton's own int16 or + bitcast takes three instructions a pair (10 % of a G8
+    tile's instructions: eval/results/int8g-decode-variants-*.md)."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;",
+                                     "=r,=r,r", [u], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
                  v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
@@ -330,23 +340,24 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
             group = k_group_base + (start // BLOCK_N) * stride_gg
             scale = tl.load(group + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
             zero = tl.load(group + HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
-            qs = q_unit * scale[None, :]
             if INTERPRET:
+                qs = q_unit * scale[None, :]
                 qk = _dot_t(qs, u, INTERPRET)
                 offset = tl.zeros([BLOCK_N], tl.float32)
             else:
-                # fp16: 11 bits of q ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q is over its
-                # row's max |q| (a scale ≥ 65504 would need a K channel's range in a group ≥ 1.6e7). u becomes fp16
-                # without a conversion instruction: the bits 0x6400 | u are the fp16 of 1024 + u (exact), so the
-                # dot gives Σ qs·u + 1024·Σ qs, and 1024·Σ qs is taken back out (one dot: a bf16 hi + lo pair in
-                # two took 1.4× the time at B8, eval/results/decode-regs-sweep-*-2026-11-25.md)
-                qs = qs.to(tl.float16)
-                qk = tl.dot(qs, tl.trans((u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)))
+                # fp16: 11 bits of q̂ ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q̂ is q over its
+                # row's max |q| (a scale ≥ 65504 would need a K channel's range in a group ≥ 1.6e7). u as 1024 + u
+                # (_fp16_1024_plus): the dot gives Σ qs·u + 1024·Σ qs, and 1024·Σ qs is taken back out (one dot: a
+                # bf16 hi + lo pair in two took 1.4× the time at B8, eval/results/decode-regs-sweep-*-2026-11-25.md)
+                qs = q_unit * scale.to(tl.float16)[None, :]
+                qk = tl.dot(qs, tl.trans(_fp16_1024_plus(u)))
                 offset = tl.full([BLOCK_N], 1024.0, tl.float32)
             if G8_DITHERED:  # key r's values are u − φ_r
                 offset = offset + group_dither(tl.arange(0, BLOCK_N))
-            qk = qk - tl.sum(qs.to(tl.float32), axis=1)[:, None] * offset[None, :]
-            qk = (qk + tl.sum(q_unit * zero[None, :], axis=1)[:, None]) * q_amax[:, None]
+            # Σ q̂ ⊙ scale (as the dot took it) and q̂ · zero: one reduction across the tile's threads
+            qs_sum, q_zero = tl.split(tl.sum(tl.join(qs.to(tl.float32), q_unit.to(tl.float32) * zero[None, :]),
+                                             axis=1))
+            qk = (qk - qs_sum[:, None] * offset[None, :] + q_zero[:, None]) * q_amax[:, None]
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
@@ -384,7 +395,15 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if G8 and not RECENT:
+        # the weights as the group's dot takes them (P ≤ 1: fp16 holds it to 11 bits); their sum, which the zero
+        # point's 1024 · scale must cancel exactly, is the denominator's too; with P · φ, one reduction
+        p_w = p.to(tl.float16)
+        p_sum, p_phi = tl.split(tl.sum(tl.join(p_w.to(tl.float32), p_w.to(tl.float32)
+                                               * group_dither(tl.arange(0, BLOCK_N))[None, :]), axis=1))
+    else:
+        p_sum = tl.sum(p, axis=1)
+    l_i = l_i * alpha + p_sum
     offs_d = tl.arange(0, D_PAD)
     if G8 and RECENT:  # V − v̄ in full precision
         v = tl.load(v_recent_base + (offs_n - recent_lo)[:, None] * stride_rn + offs_d[None, :],
@@ -399,17 +418,16 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
         group = v_group_base + (start // BLOCK_N) * stride_gg
         scale = tl.load(group + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
         zero = tl.load(group + HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
-        p_w = p.to(tl.float16)  # P ≤ 1: fp16 holds it to 11 bits
         if INTERPRET:
             pv = tl.dot(p_w.to(tl.float32), u.to(tl.float32))
         else:
-            # u becomes fp16 without a conversion instruction: the bits 0x6400 | u are the fp16 of 1024 + u
-            # (exact, u < 1024), so the dot gives P · u + 1024 · ΣP, and the zero point takes 1024 · scale back out
-            pv = tl.dot(p_w, (u.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True))
+            # u as 1024 + u (_fp16_1024_plus): the dot gives P · u + 1024 · ΣP, and the zero point takes 1024 · scale
+            # back out
+            pv = tl.dot(p_w, _fp16_1024_plus(u))
             zero = zero - 1024.0 * scale
         if G8_DITHERED:  # key r's values are u − φ_r: P · φ comes off before the scale
-            pv = pv - tl.sum(p_w.to(tl.float32) * group_dither(tl.arange(0, BLOCK_N))[None, :], axis=1)[:, None]
-        pv = pv * scale[None, :] + tl.sum(p_w.to(tl.float32), axis=1)[:, None] * zero[None, :]
+            pv = pv - p_phi[:, None]
+        pv = pv * scale[None, :] + p_sum[:, None] * zero[None, :]
     else:
         v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0.0, MASK_N,
                        EVEN_D)
@@ -483,6 +501,8 @@ def decode_kernel(
         q_amax = tl.max(tl.abs(q_unit), axis=1)
         q_amax = tl.where(q_amax > 0, q_amax, 1.0)
         q_unit = q_unit / q_amax[:, None]
+        if not INTERPRET:  # the dtype of q̂ ⊙ scale in the group's dot (_attend_tile)
+            q_unit = q_unit.to(tl.float16)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
 

@@ -319,9 +319,9 @@ MUTATIONS = {
                                 else ("((wide >> 4) & 15)", "(wide >> 4)")),
     "int4 recent tokens skipped": ("for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):",
                                    "for start in range(hi, hi, BLOCK_N):"),
-    "int8g V zero point dropped": ("axis=1)[:, None] * zero[None, :]", "axis=1)[:, None] * 0.0 * zero[None, :]"),
-    "int8g K zero point dropped": ("(qk + tl.sum(q_unit * zero[None, :], axis=1)[:, None])", "(qk + 0.0)"),
-    "int8g K row scale dropped": ("axis=1)[:, None]) * q_amax[:, None]", "axis=1)[:, None])"),
+    "int8g V zero point dropped": ("p_sum[:, None] * zero[None, :]", "0.0 * p_sum[:, None] * zero[None, :]"),
+    "int8g K zero point dropped": ("+ q_zero[:, None]) * q_amax", ") * q_amax"),
+    "int8g K row scale dropped": ("q_zero[:, None]) * q_amax[:, None]", "q_zero[:, None])"),
     "int8g K fp16 offset wrong (GPU)": ("offset = tl.full([BLOCK_N], 1024.0, tl.float32)",
                                         "offset = tl.full([BLOCK_N], 1000.0, tl.float32)"),
     "int8g V scale dropped": ("pv = pv * scale[None, :]", "pv = pv * 0.01"),
@@ -352,8 +352,7 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
 
 DITHER_MUTATIONS = {
     "K": ("offset = offset + group_dither(tl.arange(0, BLOCK_N))", "offset = offset"),
-    "V": ("pv = pv - tl.sum(p_w.to(tl.float32) * group_dither",
-          "pv = pv - 0.0 * tl.sum(p_w.to(tl.float32) * group_dither"),
+    "V": ("pv = pv - p_phi[:, None]", "pv = pv - 0.0 * p_phi[:, None]"),
 }
 
 
