@@ -29,6 +29,7 @@ from hf_qattn.integrations.diffusers import context_parallel  # noqa: E402
 from hf_qattn.plan import QAttnPlan  # noqa: E402
 
 TIMEOUT_S = 240  # the whole two-process run; it takes ~15 s on 2 idle cores
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # of the one-process tests (the ranks: CPU processes)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -46,10 +47,11 @@ def _merge(o1, l1, o2, l2):
 @pytest.mark.parametrize("backend, layout", [("reference", "HND"), ("triton", "HND"), ("triton", "NHD")])
 def test_lse_merge_of_key_halves_equals_one_call(backend, layout, seed):
     b, h, nq, nk, d, scale = 1, 2, 64, 128, 32, 0.2
-    q, k, v = torch.randn(b, h, nq, d), torch.randn(b, h, nk, d), torch.randn(b, h, nk, d) + 1.0
+    q, k, v = (torch.randn(b, h, n, d, device=DEVICE) for n in (nq, nk, nk))
+    v += 1.0
     # the halves' keys have different means: smoothing K subtracts a different k̄ in each, so an LSE
     # without the term sm_scale·q·k̄ added back weighs the halves wrongly (checked below)
-    u = torch.randn(d)
+    u = torch.randn(d, device=DEVICE)
     k[:, :, : nk // 2] += 2 * u
     k[:, :, nk // 2:] -= 2 * u
     q += 0.5 * u
@@ -271,20 +273,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _no_gpu_visible():
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 def run_ranks(entry, *args, world: int, timeout_s: float = TIMEOUT_S) -> list:
     """Run ``entry(rank, port, *args, results_queue)`` in ``world`` processes; their results by rank.
 
+    The ranks are CPU processes over gloo on every machine (eval/check_context_parallel.py runs GPUs over NCCL).
     Forked where the platform can (no second import of torch and diffusers: the test's cost is the
-    attention, not the start), each process ends within ``timeout_s`` or is killed; a child's exception
-    comes back as its traceback."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    attention, not the start); where CUDA is available they are spawned with no GPU visible instead (CUDA
+    cannot be used in a forked child, and diffusers would put each rank on a GPU). Each process ends within
+    ``timeout_s`` or is killed; a child's exception comes back as its traceback."""
+    gpus = torch.cuda.is_available()
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() and not gpus else "spawn"
     context = multiprocessing.get_context(method)
     results = context.Queue()
     port = _free_port()
     processes = [context.Process(target=entry, args=(rank, port, *args, results), daemon=True)
                  for rank in range(world)]
-    for process in processes:
-        process.start()
+    with _no_gpu_visible() if gpus else contextlib.nullcontext():  # a spawned child reads the environment
+        for process in processes:
+            process.start()
     collected = {}
     try:
         for _ in range(world):
