@@ -1,10 +1,11 @@
 """The installed decode kernel, one configuration per row: µs a step at B8 Hq32/Hk8 d128 bf16, 16k and 64k cached tokens.
 
-    python3 eval/studies/decode_ab.py TAG [PRECISIONS [STAGES:MAXNREG,...]]     e.g. base int8g,int8 0:0,2:168
+    python3 eval/studies/decode_ab.py TAG [PRECISIONS [STAGES:MAXNREG[:WARPS],...]]   e.g. base int8g,int8 0:0,2:168,3:128:8
 
 For an A/B of kernel variants in one device call, copy each variant of ``kernels/decode.py`` over the installed
 package's ``hf_qattn/kernels/decode.py`` between runs (a fresh process imports it; Triton keys its cache by the
-source). ``0:0`` is the launcher's own choice of stages and register cap. Per row: µs a step (CUDA events, median
+source). ``0:0`` is the launcher's own choice of stages and register cap (and warps, unless a third number
+names them). Per row: µs a step (CUDA events, median
 of 7 × 20 calls), GB/s of the cache's bytes (scales included), relL1 to float32 attention over the unquantized
 K/V (K with per-channel offsets), relL1 to the PyTorch reference of the format (kv_cache.reference; a wrong
 kernel shows here), and SDPA's µs on the bf16 cache (GQA, for the first TAG only: ``base``).
@@ -32,8 +33,8 @@ def rel_l1(a: torch.Tensor, exact: torch.Tensor) -> float:
 def main(tag: str, precisions: str = "int8g", configs: str = "0:0") -> None:
     torch.manual_seed(0)
     b, hq, hk, d = 8, 32, 8, 128
-    cases = [tuple(map(int, c.split(":"))) for c in configs.split(",")]
-    print("| variant stages:maxnreg | K | L | µs | GB/s | relL1 to fp32 | relL1 to reference | SDPA µs |")
+    cases = [(tuple(map(int, c.split(":"))) + (0,))[:3] for c in configs.split(",")]
+    print("| variant stages:maxnreg:warps | K | L | µs | GB/s | relL1 to fp32 | relL1 to reference | SDPA µs |")
     print("|---|---|---|---|---|---|---|---|")
     for n in (16384, 65536):
         offsets = 3 * torch.randn(1, hk, 1, d, device="cuda", dtype=torch.bfloat16)
@@ -50,10 +51,12 @@ def main(tag: str, precisions: str = "int8g", configs: str = "0:0") -> None:
             out = decode_launch.decode(q, buf, v_bar, n).transpose(1, 2)  # (B, Hq, 1, D)
             ref = kv_reference.decode_attention(q, buf, v_bar, n)
             ref = ref if ref.shape == out.shape else ref.transpose(1, 2)
-            for stages, maxnreg in cases:
+            for stages, maxnreg, warps in cases:
                 options = {} if stages == 0 else dict(num_stages=stages, maxnreg=maxnreg)
+                if warps:
+                    options["num_warps"] = warps
                 ms = events_ms(lambda: decode_launch.decode(q, buf, v_bar, n, **options), calls=20, repeats=7)
-                print(f"| {tag} {stages}:{maxnreg} | {precision} | {n} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
+                print(f"| {tag} {stages}:{maxnreg}:{warps} | {precision} | {n} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
                       f"{rel_l1(out, exact):.5f} | {rel_l1(out, ref):.6f} | {sdpa_ms * 1e3:.1f} |", flush=True)
             del buf
 
