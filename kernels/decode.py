@@ -32,8 +32,8 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
     S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
     O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
-    O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16 (ΣP of it, the denominator's too), u exact; (P · vr) on
-                                               the incomplete group
+    O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16 (ΣP of it, the denominator's too), u exact;
+                                               (P · vr) on the incomplete group
 
 Masking: keys outside [kv_start, kv_end) of the sequence, and with ``CAUSAL`` keys right of the
 query's diagonal aligned bottom-right (query i of NQ sits at key position NK − NQ + i); ``WINDOW`` keys
@@ -345,10 +345,11 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
                 qk = _dot_t(qs, u, INTERPRET)
                 offset = tl.zeros([BLOCK_N], tl.float32)
             else:
-                # fp16: 11 bits of q̂ ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q̂ is q over its
-                # row's max |q| (a scale ≥ 65504 would need a K channel's range in a group ≥ 1.6e7). u as 1024 + u
-                # (_fp16_1024_plus): the dot gives Σ qs·u + 1024·Σ qs, and 1024·Σ qs is taken back out (one dot: a
-                # bf16 hi + lo pair in two took 1.4× the time at B8, eval/results/decode-regs-sweep-*-2026-11-25.md)
+                # fp16: 11 bits of q̂ ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q̂ is q over
+                # its row's max |q| (a scale ≥ 65504 would need a K channel's range in a group ≥ 1.6e7). u as
+                # 1024 + u (_fp16_1024_plus): the dot gives Σ qs·u + 1024·Σ qs, and 1024·Σ qs is taken back out
+                # (one dot: a bf16 hi + lo pair in two took 1.4× the time at B8, decode-regs-sweep-*-11-25.md in
+                # eval/results)
                 qs = q_unit * scale.to(tl.float16)[None, :]
                 qk = tl.dot(qs, tl.trans(_fp16_1024_plus(u)))
                 offset = tl.full([BLOCK_N], 1024.0, tl.float32)
@@ -421,8 +422,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
         if INTERPRET:
             pv = tl.dot(p_w.to(tl.float32), u.to(tl.float32))
         else:
-            # u as 1024 + u (_fp16_1024_plus): the dot gives P · u + 1024 · ΣP, and the zero point takes 1024 · scale
-            # back out
+            # u as 1024 + u (_fp16_1024_plus): the dot gives P · u + 1024 · ΣP, and the zero point takes
+            # 1024 · scale back out
             pv = tl.dot(p_w, _fp16_1024_plus(u))
             zero = zero - 1024.0 * scale
         if G8_DITHERED:  # key r's values are u − φ_r: P · φ comes off before the scale
