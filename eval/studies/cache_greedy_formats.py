@@ -14,6 +14,9 @@ tokens, 256 greedy tokens each, against the float32-cache run). Formats:
 - K ``g8-G``: 8-bit per channel over groups of G tokens (256 levels between the group's min and max; the newest
   incomplete group unrounded), the INT4 cache's layout at 8 bits;
 - V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token;
+- ``tok8eq``, ``fp8eq`` (K or V): channel c divided by σ_c, its largest |x_c| over the first fill, before the per-token
+  rounding, and multiplied back after (the decode kernel could fold σ into q once, and into the output once:
+  no work a tile); ``tok8sq``: the same with √σ_c;
 - either, with ``+rG`` (e.g. ``tok8+r64``): the newest tokens from the last whole group of G on unrounded.
 
 A row of the fake ``tok8:fp8`` reproduces the shipped INT8 cache's 5 of 20 (eval/results/cache-accuracy-*).
@@ -66,13 +69,18 @@ ROUNDINGS = {"none": lambda x: x, "bf16": lambda x: x.bfloat16().float(), "tok8"
              "fp8": _fp8_per_token}
 
 
-def rounded(x, fmt):
+def rounded(x, fmt, sigma=None):
     """``x`` (B, H, N, D) as the format ``fmt`` would store it; ``FORMAT+rG``: the newest tokens from the last whole
-    group of G on (fewer than G) kept unrounded, as a cache that holds its open group in full precision."""
+    group of G on (fewer than G) kept unrounded, as a cache that holds its open group in full precision. ``sigma``
+    (B, H, 1, D): each channel's largest |x| over the first fill, for the equalized formats."""
     if "+r" in fmt:
         fmt, group = fmt.split("+r")
         whole = x.shape[2] // int(group) * int(group)
-        return torch.cat([rounded(x[:, :, :whole], fmt), x[:, :, whole:]], dim=2)
+        return torch.cat([rounded(x[:, :, :whole], fmt, sigma), x[:, :, whole:]], dim=2)
+    for suffix, power in (("eq", 1.0), ("sq", 0.5)):
+        if fmt.endswith(suffix):
+            s = sigma.clamp_min(1e-6) ** power
+            return rounded(x / s, fmt[: -len(suffix)]) * s
     if fmt.startswith("g8-"):
         return _per_channel_groups(x, int(fmt[3:]), 255)
     if fmt not in ROUNDINGS:
@@ -82,12 +90,14 @@ def rounded(x, fmt):
 
 def attention(module, query, key, value, attention_mask, **kwargs):
     layer = module.layer_idx
-    if layer not in STATE["centers"]:  # the first fill (the prefill): exact, and it fixes the centers
-        STATE["centers"][layer] = (key.mean(2, keepdim=True), value.mean(2, keepdim=True))
+    if layer not in STATE["centers"]:  # the first fill (the prefill): exact, and it fixes the centers (and σ)
+        k_bar, v_bar = key.mean(2, keepdim=True), value.mean(2, keepdim=True)
+        STATE["centers"][layer] = (k_bar, v_bar, (key - k_bar).abs().amax(2, keepdim=True),
+                                   (value - v_bar).abs().amax(2, keepdim=True))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    k_bar, v_bar = STATE["centers"][layer]
-    key = rounded(key - k_bar, STATE["k"]) + k_bar
-    value = rounded(value - v_bar, STATE["v"]) + v_bar
+    k_bar, v_bar, k_sigma, v_sigma = STATE["centers"][layer]
+    key = rounded(key - k_bar, STATE["k"], k_sigma) + k_bar
+    value = rounded(value - v_bar, STATE["v"], v_sigma) + v_bar
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
