@@ -2,6 +2,7 @@
 item 4)
 
     python eval/studies/cache_greedy_formats.py none:none bf16:bf16 tok8:fp8 tok8:none g8-64:fp8 g8-64:none
+    python eval/studies/cache_greedy_formats.py --perplexity tok8:fp8 tok8eq:tok8eq
 
 Each argument is ``K_FORMAT:V_FORMAT``. Fake quantization, not the cache's code: a transformers attention function
 rounds the whole cached K and V (around centers fixed at the first fill, as the cache fixes them) by the named
@@ -20,6 +21,9 @@ tokens, 256 greedy tokens each, against the float32-cache run). Formats:
 - either, with ``+rG`` (e.g. ``tok8+r64``): the newest tokens from the last whole group of G on unrounded.
 
 A row of the fake ``tok8:fp8`` reproduces the shipped INT8 cache's 5 of 20 (eval/results/cache-accuracy-*).
+
+``--perplexity``: instead, perplexity as eval/cache_accuracy.py measures it (8 WikiText-2 test windows of 512 tokens
+fed 16 at a time; the first chunk of each window is the first fill, exact, and fixes its centers and σ).
 """
 
 from __future__ import annotations
@@ -116,10 +120,30 @@ def main():
             outs.append(cache_accuracy.greedy(model, prompt[None], lambda: tf.DynamicCache(config=model.config), 256))
         return outs
 
+    specs = [a for a in sys.argv[1:] if a != "--perplexity"]
+    if "--perplexity" in sys.argv[1:]:
+        texts = windows(tokenizer, os.path.join(DATA, "test.txt"), 8, 512)
+
+        def perplexity(impl):
+            model.set_attn_implementation(impl)
+
+            def fresh_cache():  # a window's first fill fixes its centers anew
+                STATE["centers"] = {}
+                return tf.DynamicCache(config=model.config)
+
+            return cache_accuracy.chunked_perplexity(model, texts, fresh_cache, 16)[0]
+
+        base = perplexity("sdpa")
+        print(f"| K:V | perplexity | vs float32 cache ({base:.4f}) |\n|---|---|---|", flush=True)
+        for spec in specs:
+            STATE["k"], STATE["v"] = spec.split(":")
+            ppl = perplexity("fake_quant_cache")
+            print(f"| {spec} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f} % |", flush=True)
+        return
     reference = run("sdpa")
     print("| K:V | identical continuations | tokens before the first difference: median | per prompt |\n"
           "|---|---|---|---|", flush=True)
-    for spec in sys.argv[1:]:
+    for spec in specs:
         STATE["k"], STATE["v"] = spec.split(":")
         started = time.perf_counter()
         got = run("fake_quant_cache")
