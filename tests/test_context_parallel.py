@@ -15,6 +15,7 @@ import queue
 import socket
 import traceback
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
@@ -273,19 +274,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _no_gpu_visible():
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
 def run_ranks(entry, *args, world: int, timeout_s: float = TIMEOUT_S) -> list:
     """Run ``entry(rank, port, *args, results_queue)`` in ``world`` processes; their results by rank.
 
@@ -301,7 +289,8 @@ def run_ranks(entry, *args, world: int, timeout_s: float = TIMEOUT_S) -> list:
     port = _free_port()
     processes = [context.Process(target=entry, args=(rank, port, *args, results), daemon=True)
                  for rank in range(world)]
-    with _no_gpu_visible() if gpus else contextlib.nullcontext():  # a spawned child reads the environment
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}
+    with mock.patch.dict(os.environ, no_gpu):  # a spawned child reads the environment when it starts
         for process in processes:
             process.start()
     collected = {}
