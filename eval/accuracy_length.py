@@ -14,7 +14,7 @@ Triton kernel (two-level accumulation per tile), cuDNN bf16 as the yardstick.
 Prints a table; with --check exits non-zero when the shipped kernel's RelL1 at the longest length exceeds
 1.2× its value at the shortest, or its cos to float32 falls under 0.999 on zero-mean V.
 
-``--cache`` adds the quantized KV cache's decode kernel (INT8 K and INT4 K, FP8 V: the cache filled with all
+``--cache`` adds the quantized KV cache's decode kernel (INT8 K and INT4 K, INT8 V per token: the cache filled with all
 N tokens by its append kernel, then the last 64 positions decoded as one causal step of 64 queries); the
 reference rows are then those last 64 (causal), for every method.
 """
@@ -85,6 +85,7 @@ def cache_decode(precision: str):
         b, h, n, d = k.shape
         k_bar, v_bar = kv_reference.centers(k, v)
         buffers = kv_reference.allocate(b, h, n, d, precision, k.device, k.dtype)
+        kv_reference.set_equalizers(buffers, k, v, k_bar, v_bar)  # as a cache's first fill
         decode_launch.append(k, v, k_bar, v_bar, buffers, 0)
         return decode_launch.decode(q[:, :, rows], buffers, v_bar, n, causal=True).transpose(1, 2)
     return run

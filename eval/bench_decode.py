@@ -9,7 +9,7 @@ Kernel level — one decode step of attention: B ∈ {1, 8}, 32 query / 8 KV hea
 cached tokens L ∈ {1k, 4k, 16k, 64k, 128k}, one query token:
   * SDPA over a bf16 cache (torch.nn.functional.scaled_dot_product_attention, enable_gqa);
   * qattn over the same bf16 cache (today's path: re-quantizes the whole cache every step);
-  * the decode kernel over the quantized cache, INT8 K and INT4 K (both with FP8 V);
+  * the decode kernel over the quantized cache, INT8 K and INT4 K (both with INT8 V per token);
   * the append kernel alone, quantizing one new token per sequence into the cache (per step cost);
   * the host time of one decode call (Python + launch, no synchronization): when it is close to
     the GPU time the call is launch-bound, not bandwidth-bound.
@@ -145,8 +145,8 @@ def exact_decode(q, k, v) -> torch.Tensor:
     return out
 
 
-# the cache's storage formats (hf_qattn.kv_cache.reference.PRECISIONS): per-token INT8 K + FP8 V, 4-bit K groups +
-# FP8 V, 8-bit K and V groups
+# the cache's storage formats (hf_qattn.kv_cache.reference.PRECISIONS): per-token INT8 K + V (equalized), 4-bit K
+# groups + per-token INT8 V, 8-bit K and V groups
 CACHE_PRECISIONS = ("int8", "int4", "int8g")
 
 
@@ -168,6 +168,7 @@ def fill_cache(k, v, precision, device):
     b, hk, n, d = k.shape
     k_bar, v_bar = kv_reference.centers(k, v)
     buf = kv_reference.allocate(b, hk, n, d, precision, device, k.dtype)
+    kv_reference.set_equalizers(buf, k, v, k_bar, v_bar)  # as a cache's first fill
     decode_launch.append(k, v, k_bar, v_bar, buf, 0)
     nbytes = sum(t.numel() * t.element_size() for t in buf[1:5])  # what a decode step reads, scales included
     return buf, k_bar, v_bar, nbytes

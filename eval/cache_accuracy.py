@@ -6,7 +6,7 @@
    chunk attending to the cache of everything before it. The NLL counts the tokens predicted by every
    chunk but the first (those attend to cached tokens only through the cache; the first chunk is the
    prefill). Modes: transformers' DynamicCache with SDPA (full-precision cache, the reference) and
-   ``hf_qattn.QAttnCache`` with ``attn_implementation="qattn"``, INT8 K or INT4 K in every layer (FP8 V).
+   ``hf_qattn.QAttnCache`` with ``attn_implementation="qattn"``, INT8 K or INT4 K in every layer (INT8 V per token, equalized).
 2. Greedy agreement: ``--prompts`` prompts of ``--prompt-len`` tokens from WikiText-2 test, ``--new``
    greedy tokens each, with the float32 cache as the reference: QAttnCache INT8 + qattn, and (the
    yardstick of an ordinary perturbation) the float32 cache with K and V rounded to bf16; the fraction
@@ -120,24 +120,24 @@ def main(argv=None) -> int:
     modes = {
         "DynamicCache + SDPA (float32 cache)": ("sdpa", lambda: tf.DynamicCache(config=model.config)),
         "DynamicCache + SDPA, K/V rounded to bf16": ("sdpa", lambda: Bf16Cache(config=model.config)),
-        "QAttnCache INT8 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8")),
-        "QAttnCache INT4 K + FP8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int4")),
+        "QAttnCache INT8 K + V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8")),
+        "QAttnCache INT4 K + INT8 V, qattn": ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int4")),
         "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn":
             ("qattn", lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
         "DynamicCache + qattn (no quantized cache)": ("qattn", lambda: tf.DynamicCache(config=model.config)),
         "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)":
             (EXACT_PREFILL, lambda: hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups")),
-        "QAttnCache INT8 K + FP8 V, prefill unquantized by the model's plan (the cache format alone)":
+        "QAttnCache INT8 K + V, prefill unquantized by the model's plan (the cache format alone)":
             (EXACT_PREFILL, lambda: hf_qattn.QAttnCache(model, plan="int8")),
     }
     short = {"fp32": "DynamicCache + SDPA (float32 cache)", "bf16": "DynamicCache + SDPA, K/V rounded to bf16",
-             "int8": "QAttnCache INT8 K + FP8 V, qattn", "int4": "QAttnCache INT4 K + FP8 V, qattn",
+             "int8": "QAttnCache INT8 K + V, qattn", "int4": "QAttnCache INT4 K + INT8 V, qattn",
              "int8g": "QAttnCache 8-bit K and V per channel over 64-token groups (int8g), qattn",
              "qattn-dynamic": "DynamicCache + qattn (no quantized cache)",
              "int8g-exact-prefill":
                  "QAttnCache int8g, prefill unquantized by the model's plan (the cache format alone)",
              "int8-exact-prefill":
-                 "QAttnCache INT8 K + FP8 V, prefill unquantized by the model's plan (the cache format alone)"}
+                 "QAttnCache INT8 K + V, prefill unquantized by the model's plan (the cache format alone)"}
     def use(impl: str) -> None:
         """Attention ``impl`` for a mode; EXACT_PREFILL: qattn with every layer unquantized by the model's plan (a
         prefill in full precision; a QAttnCache is still read by its decode)."""

@@ -2,36 +2,37 @@
 
 Storage of one cache layer (B batch, Hk key/value heads, CAP token slots, D head dim):
 
-    kq   int8 (B, Hk, CAP, D)        INT8 K − k̄ over its per-token scale (±127), or
+    kq   int8 (B, Hk, CAP, D)        INT8 (K − k̄) / σ_K over its per-token scale (±127), or
          int8 (B, Hk, CAP, D_PAD/2)  INT4 u ∈ [0, 15] packed two a byte: channel c in the low nibble,
                                      channel c + D_PAD/2 in the high nibble, or
          uint8 (B, Hk, CAP, D)       G8 (int8g) u ∈ [0, 255]
-    ks   fp32 (B, Hk, CAP)           INT8: δK per token, or
+    ks   fp32 (B, Hk, CAP)           INT8: δK per token (the token's largest |K − k̄| / σ_K over 127), or
          bf16 (B, Hk, CAP/G, 2, D)   INT4, G8: per (group of G = KV_GROUP slots, channel) scale and zero,
                                      K − k̄ ≈ zero + u · scale
     kr   (B, Hk, G, D)               INT4, G8: K − k̄ of the incomplete group's tokens, in the model's dtype
-    vq   fp8 e4m3 (B, Hk, CAP, D)    (V − v̄) / δV, or G8: uint8 u as K's
-    vs   fp32 (B, Hk, CAP)           δV per token (max |V − v̄| of the token over 448), or G8: as K's
+    vq   int8 (B, Hk, CAP, D)        (V − v̄) / σ_V over δV, as INT8 K, or G8: uint8 u as K's
+    vs   fp32 (B, Hk, CAP)           δV per token, or G8: as K's
     vr   (B, Hk, G, D)               G8: V − v̄ of the incomplete group's tokens
     k̄, v̄ fp32 (B·Hk, D)              centers, fixed when the layer is first filled
+    σ_K, σ_V bf16 (B·Hk, D)          per-token formats: the channels' equalizers (formats.KV_EQ_FLOOR), fixed then too
 
 (``hf_qattn.kv_cache.reference`` is the same math in PyTorch; its ``Buffers`` holds these tensors.)
 
 ``append_kernel`` quantizes new tokens (any layout, by strides) into slots [pos0, pos0 + N). Each
-token's per-token V and INT8 K are quantized once, there; grouped ones a group at a time, when the group's
+token's per-token K and V are quantized once, there; grouped ones a group at a time, when the group's
 last token arrives (until then the group's tokens wait in ``kr`` / ``vr``).
 
 ``decode_kernel`` — one program per (query chunk, batch·kv-head, split of the cached tokens).
 The tile's rows are all query heads of one KV group times QT query tokens (GQA packing: the
 group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens:
 
-    S = (q · K̂ᵀ) · δK · sm_scale·log2 e       INT8: K̂ exact in q's dtype (|K̂| ≤ 127), fp32 accumulate
+    S = (q̂ · K̂ᵀ) · δK · max|q ⊙ σ_K| · …      INT8: q̂ = q ⊙ σ_K over its row's max, fp16, K̂ exact in fp16
     S = ((q ⊙ scale) · uᵀ + q · zero) · …     INT4: one group a tile, its scales folded into q (bf16)
     S = ((q̂ ⊙ scale) · (u − φ)ᵀ + q̂ · zero) · max|q|   G8: the same at 8 bits, q̂ = q / max|q| per row and q̂ ⊙ scale
                                                in fp16, one dot; φ the group's row dither (formats.KV_GROUP_DITHERED)
     S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
-    O += (P · δV) · V̂                         P·δV in bf16, V̂ FP8 → bf16 exactly, fp32 accumulate
+    O += (P · δV · 127) · V̂                   per-token V: in fp16, V̂ exact; O ⊙ σ_V / 127 at the end
     O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16 (ΣP of it, the denominator's too), u exact;
                                                (P · vr) on the incomplete group
 
@@ -54,9 +55,9 @@ dim needs no padding); only the last tile of a split is masked.
 import triton
 import triton.language as tl
 
-from .common import (FP8_MAX, G8_DIRECTED, G8_DITHERED, G8_LEVELS, INT4_DIRECTED, INT4_DITHERED, INT4_LEVELS, KV_GROUP,
-                     SCALE_FLOOR, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, scale_to_fp8,
-                     to_bf16, to_bf16_toward)
+from .common import (G8_DIRECTED, G8_DITHERED, G8_LEVELS, INT4_DIRECTED, INT4_DITHERED, INT4_LEVELS, KV_GROUP,
+                     SCALE_FLOOR, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, to_bf16,
+                     to_bf16_toward)
 
 
 @triton.jit
@@ -150,11 +151,26 @@ def _append_group8(X_rows, BAR, Q_rows, G_group, R, bh, rows, new_ok, complete, 
         tl.store(R + r[:, None] * HEAD_DIM + c[None, :], x.to(R.dtype.element_ty), mask=new_ok[:, None] & c_ok)
 
 
+@triton.jit
+def _append_tokens(X_rows, BAR, EQ, Q_rows, S_rows, bh, c, row_ok, stride_xd, HEAD_DIM: tl.constexpr,
+                   GRID_ROUND: tl.constexpr):
+    """Per-token INT8 (K or V) of rows of new tokens: x − x̄ over the channels' equalizers σ, then over the token's
+    scale (its largest |value| / 127), as ``reference.quantize_tokens``."""
+    ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
+    x = tl.load(X_rows + c[None, :] * stride_xd, mask=ok, other=0.0).to(tl.float32)
+    bar = tl.load(BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
+    inv_eq = reciprocal(tl.load(EQ + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=1.0).to(tl.float32))
+    x = tl.where(ok, (x - bar[None, :]) * inv_eq[None, :], 0.0)
+    scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(x), axis=1), SCALE_FLOOR) / 127.0, x, 1)
+    tl.store(Q_rows + c[None, :], quantize_symmetric(x, scale[:, None], 127.0, GRID_ROUND), mask=ok)
+    tl.store(S_rows, scale, mask=row_ok)
+
+
 # Ints that change from one generated token to the next are not specialized on (Triton would compile
 # a variant the first time one is 1 or divisible by 16: in the middle of a generation)
 @triton.jit(do_not_specialize=["pos0"])
 def append_kernel(
-    K, V, K_BAR, V_BAR, KQ, KS, VQ, VS, KR, VR, pos0, POS,
+    K, V, K_BAR, V_BAR, K_EQ, V_EQ, KQ, KS, VQ, VS, KR, VR, pos0, POS,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_qb, stride_qh, stride_qn,
@@ -209,7 +225,7 @@ def append_kernel(
                     _append_group8(v_base, V_BAR, w_base, VS + group_off + group * stride_gg, VR + recent_off, bh,
                                    rows, row_ok, complete, stride_vd, HEAD_DIM, D_PAD, GRID_ROUND)
 
-    # --- per-token formats: subtract the fixed center; K INT8 and (unless int8g) V FP8 E4M3, one scale a token
+    # --- per-token formats: K and (unless int8g) V, the fixed center off, equalized, INT8 over a scale a token
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     slots = pos0 + rows
     row_ok = rows < N
@@ -217,28 +233,20 @@ def append_kernel(
     c = tl.arange(0, D_PAD)
     ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
     if not GROUPED:
-        k_base = K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn
-        q_base = KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn
-        k = tl.load(k_base + c[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
-        k = tl.where(ok, k - tl.load(K_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-        k_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(k), axis=1), SCALE_FLOOR) / 127.0, k, 1)
-        tl.store(q_base + c[None, :], quantize_symmetric(k, k_scale[:, None], 127.0, GRID_ROUND), mask=ok)
-        tl.store(KS + s_off, k_scale, mask=row_ok)
+        _append_tokens(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn, K_BAR, K_EQ,
+                       KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn, KS + s_off, bh, c, row_ok,
+                       stride_kd, HEAD_DIM, GRID_ROUND)
     if not G8:
-        v_base = V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn
-        w_base = VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn
-        v = tl.load(v_base + c[None, :] * stride_vd, mask=ok, other=0.0).to(tl.float32)
-        v = tl.where(ok, v - tl.load(V_BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)[None, :], 0.0)
-        v_scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(v), axis=1), SCALE_FLOOR) / FP8_MAX, v, 1)
-        tl.store(w_base + c[None, :], scale_to_fp8(v, v_scale[:, None], GRID_ROUND), mask=ok)
-        tl.store(VS + s_off, v_scale, mask=row_ok)
+        _append_tokens(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn, V_BAR, V_EQ,
+                       VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn, VS + s_off, bh, c, row_ok,
+                       stride_vd, HEAD_DIM, GRID_ROUND)
 
 
 @triton.jit
 def _load_tile(ptrs, n_ok, col_ok, other, MASK_N: tl.constexpr, EVEN: tl.constexpr):
     """A tile of cached rows: unmasked (16-byte vector loads) when every column is real and no row can run
     past the end (MASK_N false), masked by rows, or (not EVEN: a padded head dim) by rows and columns;
-    ``other`` fills what the mask leaves out (0 for integer K, 0.0 for FP8 V)."""
+    ``other`` fills what the mask leaves out."""
     if EVEN:
         if MASK_N:
             tile = tl.load(ptrs, mask=n_ok[:, None], other=other)
@@ -269,7 +277,17 @@ def _fp16_1024_plus(u):
 
 
 @triton.jit
-def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+def _fp16_1152_plus(x):
+    """1152 + x in fp16 for int8 x (exact): x + 128 is x with its top bit flipped (one ``xor`` for four values), then
+    as :func:`_fp16_1024_plus`. ``cvt`` from int8 to fp16 runs on the quarter-rate unit that the softmax's exp2
+    also needs (128 of them a thread a tile at d128, K and V: 14 % slower decode steps, H200)."""
+    return tl.inline_asm_elementwise("{.reg .b32 t; xor.b32 t, $2, 0x80808080; prmt.b32 $0, t, 0x64646464, 0x4140; "
+                                     "prmt.b32 $1, t, 0x64646464, 0x4342;}",
+                                     "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
                  v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
                  ring_lo, ring_count,
@@ -362,7 +380,11 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
-        qk = _dot_t(q, k, INTERPRET)
+        if INTERPRET:
+            qk = _dot_t(q_unit, k, INTERPRET)
+        else:  # K̂ as 1152 + K̂: the dot's extra 1152 · Σ q̂ is the row's q_offset
+            qk = tl.dot(q_unit, tl.trans(_fp16_1152_plus(k))) - q_offset[:, None]
+        qk = qk * q_amax[:, None]
     if not G8:  # V's per-token scale
         if MASK_N:
             v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
@@ -402,6 +424,14 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
         p_w = p.to(tl.float16)
         p_sum, p_phi = tl.split(tl.sum(tl.join(p_w.to(tl.float32), p_w.to(tl.float32)
                                                * group_dither(tl.arange(0, BLOCK_N))[None, :]), axis=1))
+    elif not G8:
+        # per-token V: P times each token's largest |V̂| (δV · 127, fp16's normal range), as the dot takes it; V̂ as
+        # 1152 + V̂ (_fp16_1152_plus), so 1152 · Σ of these weights comes off the dot; with ΣP, one reduction
+        p_w = (p * (v_scale * 127.0)[None, :]).to(tl.float16)
+        if INTERPRET:
+            p_sum = tl.sum(p, axis=1)
+        else:
+            p_sum, p_w_sum = tl.split(tl.sum(tl.join(p, p_w.to(tl.float32)), axis=1))
     else:
         p_sum = tl.sum(p, axis=1)
     l_i = l_i * alpha + p_sum
@@ -429,14 +459,13 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo,
         if G8_DITHERED:  # key r's values are u − φ_r: P · φ comes off before the scale
             pv = pv - p_phi[:, None]
         pv = pv * scale[None, :] + p_sum[:, None] * zero[None, :]
-    else:
-        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0.0, MASK_N,
+    else:  # per-token INT8 V (its 127 and equalizers σ_V come back in the output, at the end)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
                        EVEN_D)
-        p_w = (p * v_scale[None, :]).to(tl.bfloat16)
         if INTERPRET:
             pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
         else:
-            pv = tl.dot(p_w, v.to(tl.bfloat16))
+            pv = tl.dot(p_w, _fp16_1152_plus(v)) - 1152.0 * p_w_sum[:, None]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
@@ -452,7 +481,7 @@ def _with_sink(acc, m, l, seen, sink2, v_bar):
 
 @triton.jit(do_not_specialize=["NK", "SPLIT_LEN", "NUM_SPLITS"])
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, KR, VR, V_BAR, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
+    Q, KQ, KS, VQ, VS, KR, VR, V_BAR, K_EQ, V_EQ, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
@@ -495,15 +524,22 @@ def decode_kernel(
         q = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
         q_lo = q
         q_hi = q
-    # G8: q over its row's max |q| (fp16 range for q ⊙ the K groups' scales, _attend_tile), and that max
+    # the 8-bit formats' q: over its row's largest |value| (q_unit; fp16 holds it to 11 bits), and that largest
+    # value (q_amax). INT8 K's q is first multiplied by K's equalizers σ_K (q · σ_K ⊙ K̂ = q · K); G8's q̂ takes the
+    # K groups' scales in its tiles (_attend_tile)
     q_amax = tl.full([BLOCK_M], 1.0, tl.float32)
     q_unit = q.to(tl.float32)
-    if G8:
+    if not GROUPED:
+        q_unit = q_unit * tl.load(K_EQ + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+    if not INT4:
         q_amax = tl.max(tl.abs(q_unit), axis=1)
         q_amax = tl.where(q_amax > 0, q_amax, 1.0)
         q_unit = q_unit / q_amax[:, None]
-        if not INTERPRET:  # the dtype of q̂ ⊙ scale in the group's dot (_attend_tile)
+        if not INTERPRET:  # the dtype of the K tile's dot (_attend_tile)
             q_unit = q_unit.to(tl.float16)
+    q_offset = tl.zeros([BLOCK_M], tl.float32)
+    if not GROUPED and not INTERPRET:  # what 1152 + K̂ adds to every score of the row (_attend_tile)
+        q_offset = 1152.0 * tl.sum(q_unit.to(tl.float32), axis=1)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
 
@@ -582,26 +618,29 @@ def decode_kernel(
     # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
+            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
             g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
             softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
             HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False, False)
     for start in range(hi_full, hi_packed, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
+            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
             g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
             softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
             HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, False)
     if GROUPED:
         for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, q_lo, q_hi, q_unit, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+                q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
                 v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
                 score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
                 INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, True)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+    v_eq = tl.full([D_PAD], 1.0, tl.float32)
+    if not G8:  # per-token V: its equalizers σ_V, and the 127 that P · δV · 127 took (_attend_tile)
+        v_eq = tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32) / 127.0
     if SPLIT:
         part0 = ((b * HK * GROUPS + head) * NQ + qi) * NUM_SPLITS
         part = part0 + split
@@ -630,6 +669,7 @@ def decode_kernel(
                 o_run = o_run * a_run[:, None] + o_t * a_t[:, None]
                 m_run = m_new
             seen = l_run != 0.0  # NaN (non-finite input) stays NaN
+            o_run = o_run * v_eq[None, :]
             if HAS_SINKS:
                 out = _with_sink(o_run, m_run, l_run, seen, sink2, v_bar)
             else:
@@ -638,6 +678,7 @@ def decode_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         seen = l_i != 0.0  # 0 only for rows that saw no key; NaN (non-finite input) stays NaN
+        acc = acc * v_eq[None, :]
         if HAS_SINKS:
             out = _with_sink(acc, m_i, l_i, seen, sink2, v_bar)
         else:

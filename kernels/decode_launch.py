@@ -22,14 +22,19 @@ from .formats import KV_GROUP as GROUP, LOG2E
 
 def _check_buffers(buffers) -> tuple[bool, bool]:
     """(INT4, G8): the precision of ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its
-    fields): ``int4`` (4-bit K groups) or ``int8g`` (8-bit K and V groups), else per-token INT8 K and FP8 V. The
-    kernels index group scales and recent tokens assuming contiguous rows, and G8's V by K's strides."""
+    fields): ``int4`` (4-bit K groups) or ``int8g`` (8-bit K and V groups), else per-token INT8 K and V. The
+    kernels index group scales and recent tokens assuming contiguous rows, G8's V by K's strides, and the
+    equalizers as (B·Hk, D) rows."""
     int4, g8 = buffers.precision == "int4", buffers.precision == "int8g"
     grouped = [buffers.ks, buffers.k_recent] + ([buffers.vs, buffers.v_recent] if g8 else [])
     if (int4 or g8) and any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in grouped):
         raise ValueError(f"{buffers.precision} buffers need contiguous group scales (…, 2, D) and recent rows (…, G, D)")
     if g8 and (buffers.vs.stride() != buffers.ks.stride() or buffers.v_recent.stride() != buffers.k_recent.stride()):
         raise ValueError("int8g buffers need V's group scales and recent rows laid out as K's")
+    equalized = ([buffers.k_eq] if not (int4 or g8) else []) + ([buffers.v_eq] if not g8 else [])
+    if any(t is None or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in equalized):
+        raise ValueError(f"{buffers.precision} buffers need their per-token formats' equalizers k_eq / v_eq as "
+                         "contiguous (B, Hk, D) bfloat16 tensors")
     return int4, g8
 
 
@@ -51,9 +56,10 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
         block_t = tuning.decode_config(interp)["APPEND_BLOCK_T"] if n > 16 else 16
         tiles = _cdiv(n, block_t)
     kq, ks, vq, vs, kr, vr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent, buffers.v_recent
+    k_eq, v_eq = buffers.k_eq, buffers.v_eq
     group_strides = ks.stride()[:3] if int4 or g8 else (0, 0, 0)
     recent_strides = kr.stride()[:2] if int4 or g8 else (0, 0)
-    args = (k, v, k_bar, v_bar, kq, ks, vq, vs, kr, vr, 0 if device_pos else pos0, pos0 if device_pos else None,
+    args = (k, v, k_bar, v_bar, k_eq, v_eq, kq, ks, vq, vs, kr, vr, 0 if device_pos else pos0, pos0 if device_pos else None,
             *k.stride(), *v.stride(), *kq.stride()[:3], *vs.stride()[:2], *group_strides, *recent_strides,
             *vq.stride()[:3], hk, n)
     kwargs = dict(HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4, G8=g8, GRID_ROUND=interp,
@@ -61,7 +67,7 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
     if launches is None:
         fast(append_kernel).launch((tiles, b * hk), args, kwargs)
     else:  # as decode's memo: the storage and centers by identity, k's and v's layouts, the device count's
-        keep = (kq, ks, vq, vs, kr, vr, k_bar, v_bar, pos0 if device_pos else None)
+        keep = (kq, ks, vq, vs, kr, vr, k_eq, v_eq, k_bar, v_bar, pos0 if device_pos else None)
         memo_key = (tuple(map(id, keep)), k.dtype, k.shape, k.stride(), k.data_ptr() % 16, v.dtype, v.stride(),
                     v.data_ptr() % 16, tuple(kwargs.items()))
         fast(append_kernel).launch_memo(launches, memo_key, keep, (tiles, b * hk), args, kwargs)
@@ -189,6 +195,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     """
     b, hq, nq, d = q.shape
     kq, ks, vq, vs, kr, vr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent, buffers.v_recent
+    k_eq, v_eq = buffers.k_eq, buffers.v_eq
     int4, g8 = _check_buffers(buffers)
     grouped = int4 or g8
     hk = kq.shape[1]
@@ -236,7 +243,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
     extra.update(tuning.register_cap(maxnreg, interp))
     score_k_bar = k_bar if (sinks is not None or softcap is not None) else None
-    args = (q, kq, ks, vq, vs, kr, vr, v_bar, kv_start, kv_end, out, part_o, part_m, part_l, counter, length, score_k_bar,
+    args = (q, kq, ks, vq, vs, kr, vr, v_bar, k_eq, v_eq, kv_start, kv_end, out, part_o, part_m, part_l, counter, length, score_k_bar,
             sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if grouped else (0, 0, 0)),
             *(kr.stride()[:3] if grouped else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
             hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
@@ -255,7 +262,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         # what the launch specializes on besides the kwargs: the storage by identity (its tensors' dtypes,
         # alignment and strides), q's and out's layout and alignment, the optional tensors' alignment (their
         # dtypes are fixed above; the workspace comes aligned), the spans' int values
-        keep = (kq, ks, vq, vs, kr, vr, v_bar, score_k_bar, length)
+        keep = (kq, ks, vq, vs, kr, vr, k_eq, v_eq, v_bar, score_k_bar, length)
         memo_key = (tuple(map(id, keep)), q.dtype, q.shape, q.stride(), q.data_ptr() % 16, out.stride(),
                     out.data_ptr() % 16, *(None if t is None else t.data_ptr() % 16 for t in (kv_start, kv_end, sinks)),
                     window, chunk, ring, tuple(kwargs.items()))

@@ -62,6 +62,20 @@ KV_GROUP_DIRECTED = {"int4": False, "int8g": True}
 KV_GROUP_DITHERED = {"int4": False, "int8g": True}
 KV_GROUP_DITHER_STRIDE = 41  # odd, so r ↦ 41·r mod 64 is a permutation; 41/64 ≈ the golden ratio's 0.618
 
+# The cache's per-token formats (INT8 K, INT8 V) first divide channel c of K − k̄ (V − v̄) by its equalizer σ_c, the
+# largest |value| of the channel over the layer's first fill (per batch row and head), and multiply it back when read:
+# a token's scale is then set by its largest channel relative to that channel's usual range, not by the outlier
+# channels (SmolLM2's K and V have some), which left the other channels a few of the 255 levels. The decode kernel
+# folds σ_K into q once a program and σ_V into the output once: no work a key tile. SmolLM2 (fake quantization, CPU):
+# 15 of 20 greedy continuations the float32 cache's with K and V equalized, 6 with INT8 K and FP8 V per token
+# unequalized, perplexity −0.02 % against +0.22 % (eval/results/cache-greedy-equalized-smollm2-cpu-2026-11-28.md).
+# A channel quiet in the first fill would be amplified without bound when it gets loud later; σ_c is kept at or above
+# KV_EQ_FLOOR × the head's largest σ (SmolLM2 perplexity, σ from a 16-token first fill: −0.02 % unfloored, −0.01 % at
+# 1/64, +0.08 % at 1/16, +0.10 % at 1/8; cache-greedy-equalized-*), and a first fill of fewer than KV_EQ_MIN_TOKENS
+# tokens (too few to show a channel's range: three random tokens can put σ_c at a tenth of what follows) leaves σ = 1.
+KV_EQ_FLOOR = 1.0 / 64
+KV_EQ_MIN_TOKENS = 16
+
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30
 

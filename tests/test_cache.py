@@ -100,6 +100,7 @@ def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
     assert store.length == 300 and store.capacity >= 300
     torch.testing.assert_close(store.k_bar, k_bar)
     once = kv_reference.allocate(2, 2, 320, 32, precision, "cpu", k.dtype)
+    kv_reference.set_equalizers(once, k[:, :, :200], v[:, :, :200], k_bar, v_bar)  # the first fill's
     kv_reference.append(k, v, k_bar, v_bar, once, 0)
     group = kv_reference.GROUP
     whole = 300 // group * group
@@ -111,13 +112,12 @@ def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
             assert torch.equal(got_s[:, :, : 300 // group], want_s[:, :, : 300 // group]), name
             assert torch.equal(getattr(store, name + "_recent")[:, :, : 300 - whole],
                                getattr(once, name + "_recent")[:, :, : 300 - whole]), name
-        elif name == "k":
-            assert torch.equal(got[:, :, :300], want[:, :, :300])
+        else:  # per token: the values, their scales, the equalizers of the first fill
+            assert torch.equal(got[:, :, :300], want[:, :, :300]), name
             torch.testing.assert_close(got_s[:, :, :300], want_s[:, :, :300], rtol=1e-6, atol=0)
-        else:
-            assert (got[:, :, :300].float() != want[:, :, :300].float()).float().mean() < 1e-3
-    # the dequantized fallback rebuilds K and V to the format's resolution: half a step of the grid (per token,
-    # or per (group, channel) with the incomplete group exact), and E4M3's 3 mantissa bits for per-token V
+            assert torch.equal(getattr(store, name + "_eq"), getattr(once, name + "_eq")), name
+    # the dequantized fallback rebuilds K and V to the format's resolution: half a step of the grid (per token
+    # and channel, or per (group, channel) with the incomplete group exact)
     kd, vd = layer.dequantized()
     for name, got, original in (("k", kd, k), ("v", vd, v)):
         grouped = (kv_reference.k_grouped if name == "k" else kv_reference.v_grouped)(precision)
@@ -125,10 +125,9 @@ def test_tokens_are_quantized_once_with_the_first_centers(seed, precision):
             step = getattr(once, name + "s")[:, :, :, 0].float().repeat_interleave(group, dim=2)[:, :, :300]
             step[:, :, whole:] = 0.0
             assert ((got - original).abs() <= 0.5 * step * 1.001 + 1e-5).all(), name
-        elif name == "k":
-            assert ((got - original).abs() <= 0.5 * once.ks[:, :, :300, None] * 1.001 + 1e-5).all()
         else:
-            assert ((got - original).abs() <= (original - v_bar[:, :, None]).abs() / 16 + 1e-5).all()
+            step = getattr(once, name + "s")[:, :, :300, None] * getattr(once, name + "_eq")[:, :, None, :]
+            assert ((got - original).abs() <= 0.5 * step * 1.001 + 1e-5).all(), name
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8g"])
@@ -158,8 +157,26 @@ def test_crop_back_into_a_quantized_group(seed, precision):
         assert (err[:, :, 36:] <= 0.5 * step * 1.001 + 1e-5).all(), name
 
 
+def test_equalizers_of_a_first_fill(seed):
+    """σ of the per-token formats (formats.KV_EQ_FLOOR): each channel's largest |x − x̄| over the first fill, floored
+    at 1/64 of the head's largest; 1 for a fill shorter than KV_EQ_MIN_TOKENS; NaN where the fill holds a NaN."""
+    from hf_qattn.kernels.formats import KV_EQ_FLOOR, KV_EQ_MIN_TOKENS
+
+    xc = torch.randn(2, 3, 40, 16)
+    xc[..., 0] *= 10.0  # an outlier channel (its σ / 64 below every other channel's)
+    xc[..., 1] *= 1e-4  # a channel all but constant: floored
+    sigma = kv_reference.equalizers(xc)
+    top = xc[..., 0].abs().amax(-1)
+    assert torch.equal(sigma[..., 0], top) and torch.equal(sigma[..., 2:], xc[..., 2:].abs().amax(-2))
+    assert torch.equal(sigma[..., 1], top * KV_EQ_FLOOR)
+    assert torch.equal(kv_reference.equalizers(xc[:, :, : KV_EQ_MIN_TOKENS - 1]), torch.ones(2, 3, 16))
+    xc[1, 2, 7, 5] = float("nan")
+    sigma = kv_reference.equalizers(xc)
+    assert torch.isnan(sigma[1, 2]).all() and not torch.isnan(sigma[0]).any() and not torch.isnan(sigma[1, :2]).any()
+
+
 def test_nbytes_and_the_memory_targets():
-    """Bytes per token: INT8 K + FP8 V + two fp32 scales; INT4 halves K. Against a bf16 cache (d128)."""
+    """Bytes per token: INT8 K + INT8 V + two fp32 scales; INT4 halves K. Against a bf16 cache (d128)."""
     b, h, n, d = 1, 2, 40, 128
     k, v = _states(b, h, n, d, torch.bfloat16)
     cache = hf_qattn.QAttnCache(llama_config(layers=2, head_dim=d, hidden_size=256, num_attention_heads=2),
@@ -168,18 +185,19 @@ def test_nbytes_and_the_memory_targets():
         cache.update(k, v, index)
     per_layer = cache.nbytes(per_layer=True, used=True)
     centers = 2 * b * h * d * 4
+    equalizers = {"int8": 2 * b * h * d * 2, "int4": b * h * d * 2}  # σ_K and σ_V bf16; INT4: σ_V
     group = kv_reference.GROUP
     recent = b * h * group * d * 2  # INT4: the incomplete group's K in bf16
     # INT4 per token: K's nibbles, V, V's scale, and per group a bf16 scale and zero a channel
     int4_slot = d // 2 + d + 4 + 2 * d * 2 / group
-    assert per_layer == [b * h * n * (d + d + 8) + centers, int(b * h * n * int4_slot) + recent + centers]
+    fixed = [centers + equalizers["int8"], recent + centers + equalizers["int4"]]
+    assert per_layer == [b * h * n * (d + d + 8) + fixed[0], int(b * h * n * int4_slot) + fixed[1]]
     assert cache.nbytes(used=True) == sum(per_layer)
     # allocated: whole blocks (16 tokens; INT4's groups), every byte of the layers' tensors counted
-    assert cache.nbytes(per_layer=True) == [b * h * 48 * (d + d + 8) + centers,
-                                            int(b * h * group * int4_slot) + recent + centers]
+    assert cache.nbytes(per_layer=True) == [b * h * 48 * (d + d + 8) + fixed[0], int(b * h * group * int4_slot) + fixed[1]]
     assert cache.nbytes() == sum(_tensor_bytes(layer) for layer in cache.layers)
     bf16 = b * h * n * d * 2 * 2
-    assert (per_layer[0] - centers) / bf16 <= 0.55 and (per_layer[1] - centers - recent) / bf16 <= 0.41
+    assert (per_layer[0] - fixed[0]) / bf16 <= 0.55 and (per_layer[1] - fixed[1]) / bf16 <= 0.41
     dynamic = hf_qattn.QAttnCache(llama_config(layers=1, head_dim=d, hidden_size=256, num_attention_heads=2),
                                   plan=UNQUANTIZED)
     dynamic.update(k, v, 0)
@@ -190,7 +208,8 @@ def _tensor_bytes(layer) -> int:
     """Bytes of every tensor a QAttnLayer holds (what its storage takes from the device)."""
     store = layer.storage()
     return sum(t.numel() * t.element_size() for t in (store.kq, store.ks, store.vq, store.vs, store.k_recent,
-                                                       store.v_recent, store.k_bar, store.v_bar) if t is not None)
+                                                       store.v_recent, store.k_eq, store.v_eq, store.k_bar,
+                                                       store.v_bar) if t is not None)
 
 
 @pytest.mark.parametrize("prompt", [4096, 4000, 8192, 300, 64])

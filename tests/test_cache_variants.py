@@ -124,7 +124,8 @@ def test_decode_kernel_ring_ranges(seed, splits):
                                softcap=4.0, k_bar=st["k_bar"])
     for b in range(3):
         slots = (first[b] + torch.arange(int(count[b]), device=DEVICE)) % span
-        ring = kv_reference.Buffers("int8", *(t[b:b + 1, :, slots] for t in st["buf"][1:5]), None)
+        ring = kv_reference.Buffers("int8", *(t[b:b + 1, :, slots] for t in st["buf"][1:5]), None, None,
+                                    *(t[b:b + 1] for t in st["buf"][7:]))
         ref = kv_reference.decode_attention(q[b:b + 1], ring, st["v_bar"][b:b + 1], int(count[b]), softcap=4.0,
                                             k_bar=st["k_bar"][b:b + 1])
         assert mismatch(out[b:b + 1], ref) is None, (b, mismatch(out[b:b + 1], ref))

@@ -17,7 +17,8 @@ tokens, 256 greedy tokens each, against the float32-cache run). Formats:
 - V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token;
 - ``tok8eq``, ``fp8eq`` (K or V): channel c divided by σ_c, its largest |x_c| over the first fill, before the per-token
   rounding, and multiplied back after (the decode kernel could fold σ into q once, and into the output once:
-  no work a tile); ``tok8sq``: the same with √σ_c;
+  no work a tile); ``tok8sq``: the same with √σ_c; ``tok8eqR`` (e.g. ``tok8eq16``): σ_c at least 1/R of the head's
+  largest σ;
 - either, with ``+rG`` (e.g. ``tok8+r64``): the newest tokens from the last whole group of G on unrounded.
 
 A row of the fake ``tok8:fp8`` reproduces the shipped INT8 cache's 5 of 20 (eval/results/cache-accuracy-*).
@@ -29,6 +30,7 @@ fed 16 at a time; the first chunk of each window is the first fill, exact, and f
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
@@ -81,6 +83,10 @@ def rounded(x, fmt, sigma=None):
         fmt, group = fmt.split("+r")
         whole = x.shape[2] // int(group) * int(group)
         return torch.cat([rounded(x[:, :, :whole], fmt, sigma), x[:, :, whole:]], dim=2)
+    floor = re.fullmatch(r"(.+eq)(\d+)", fmt)
+    if floor:  # ``eqR``: σ kept at or above 1/R of the head's largest (the cache's formats.KV_EQ_FLOOR)
+        s = torch.maximum(sigma, sigma.amax(-1, keepdim=True) / int(floor.group(2))).clamp_min(1e-6)
+        return rounded(x / s, floor.group(1)[:-2]) * s
     for suffix, power in (("eq", 1.0), ("sq", 0.5)):
         if fmt.endswith(suffix):
             s = sigma.clamp_min(1e-6) ** power

@@ -1,6 +1,6 @@
 """The quantized KV cache for generation.
 
-- :mod:`.cache`: :class:`QAttnCache` and its :class:`QAttnLayer` (INT8 / INT4 K, FP8 V, quantized once
+- :mod:`.cache`: :class:`QAttnCache` and its :class:`QAttnLayer` (INT8 / INT4 K, INT8 V, quantized once
   when appended); needs transformers;
 - :mod:`.attention`: the attention over a layer's quantized storage, which the qattn attention function
   calls on the :class:`PackedKV` handles the cache returns (importable without transformers);

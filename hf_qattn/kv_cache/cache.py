@@ -8,14 +8,16 @@
 Each full-attention layer keeps K − k̄ in INT8 with one scale per token, or, where the model's plan
 (``config.qattn_plan``, or ``plan=``) marks the layer ``int4``, in 4 bits per channel over groups of 64
 tokens with a scale and zero point each (KIVI's layout; the newest tokens of an incomplete group wait in
-full precision), and V − v̄ in FP8 E4M3 with one scale per token; or, with ``int8_layout="groups"``, a layer
+full precision), and V − v̄ in INT8 with one scale per token; or, with ``int8_layout="groups"``, a layer
 marked ``int8`` keeps both K − k̄ and V − v̄ in 8 bits per channel over 64-token groups (``int8g``). k̄, v̄ are
-per-(batch, head, channel) centers fixed at the first fill. Every token is quantized once, when it is appended,
+per-(batch, head, channel) centers fixed at the first fill, and so are the per-token formats' equalizers σ_K, σ_V
+(each channel is divided by its range over the first fill before a token's scale is taken:
+``formats.KV_EQ_FLOOR``). Every token is quantized once, when it is appended,
 a grouped tensor when its group completes (``kernels/decode.py``; the formats in ``reference.py``).
 Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
 the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
 that span rounded up to a whole 16-token block. A ring does not keep groups of consecutive tokens, so such a
-layer stores INT8 K and FP8 V where the plan says ``int4`` or the layout groups (``precisions()`` shows it).
+layer stores INT8 K and V where the plan says ``int4`` or the layout groups (``precisions()`` shows it).
 Layers the plan marks unquantized keep transformers' full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
 attention, ...) keep transformers' own layer class.
 
@@ -74,7 +76,8 @@ class CacheStorage(NamedTuple):
     """A read view of a :class:`QAttnLayer`'s storage (the tensors themselves, not copies; only the layer
     writes them): what the attention over the cache reads.
 
-    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent``, ``v_recent`` as :class:`reference.Buffers` (which
+    ``precision``, ``kq``, ``ks``, ``vq``, ``vs``, ``k_recent``, ``v_recent``, ``k_eq``, ``v_eq`` as
+    :class:`reference.Buffers` (which
     the kernels take), ``k_bar`` / ``v_bar`` (B, Hk, D) the centers; the first ``length`` tokens are cached.
     ``device_length``: the same count as a (1,) int32 tensor on the device with static storage or once the layer's
     step graph (step_graph.py) has been used, else None.
@@ -87,6 +90,8 @@ class CacheStorage(NamedTuple):
     vs: torch.Tensor
     k_recent: torch.Tensor | None
     v_recent: torch.Tensor | None
+    k_eq: torch.Tensor | None
+    v_eq: torch.Tensor | None
     k_bar: torch.Tensor
     v_bar: torch.Tensor
     length: int
@@ -96,8 +101,8 @@ class CacheStorage(NamedTuple):
 
 
 class QAttnLayer(CacheLayerMixin):
-    """One layer of :class:`QAttnCache`: INT8 / INT4 K and FP8 V, or 8-bit K and V groups (``reference.Buffers``),
-    fixed centers.
+    """One layer of :class:`QAttnCache`: INT8 / INT4 K and INT8 V, or 8-bit K and V groups (``reference.Buffers``),
+    fixed centers (and equalizers).
 
     The storage is the layer's own: it writes it in :meth:`update` (and ``crop``, ``reset``, the batch
     selections); the attention reads it through :meth:`storage`, and a replayed CUDA graph step reports
@@ -171,9 +176,12 @@ class QAttnLayer(CacheLayerMixin):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._flush()
         n = key_states.shape[-2]
-        if self._k_bar is None:  # the first fill fixes the centers
+        first = self._k_bar is None
+        if first:  # the first fill fixes the centers, and (once the storage exists) the equalizers
             self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
         self._reserve(self._length + n)
+        if first:
+            reference.set_equalizers(self._buffers, key_states, value_states, self._k_bar, self._v_bar)
         # static storage: the kernel reads the first slot from device memory (the same in every replay)
         self._write(key_states, value_states, self._length if self._device_length is None else self._device_length)
         self._length += n
@@ -344,8 +352,7 @@ class QAttnLayer(CacheLayerMixin):
             return 0
         buf = self._buffers
         slots = sum(t.numel() * t.element_size() for t in buf[1:5])  # kq, ks, vq, vs: in proportion to capacity
-        fixed = sum(t.numel() * t.element_size() for t in (buf.k_recent, buf.v_recent, self._k_bar, self._v_bar)
-                    if t is not None)
+        fixed = sum(t.numel() * t.element_size() for t in (*buf[5:], self._k_bar, self._v_bar) if t is not None)
         return (slots * self._length) // self._capacity + fixed if used else slots + fixed
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,11 +438,14 @@ class QAttnWindowLayer(QAttnLayer):
                 torch.add(self._device_slot, 1, out=self._device_length)
             self._device_slot.add_(1).remainder_(self.span)
             return
-        if self._k_bar is None:
+        first = self._k_bar is None
+        if first:
             self._k_bar, self._v_bar = reference.centers(key_states, value_states, self.center_sample)
         total = self._seen + n
         keep_from = self._keep_from(total)
         self._reserve(total - keep_from)
+        if first:
+            reference.set_equalizers(self._buffers, key_states, value_states, self._k_bar, self._v_bar)
         first = max(self._seen, keep_from)  # tokens before it are out of every later window
         slot = first % self.span
         run = min(total - first, self.span - slot)  # up to the ring's end, then the rest from slot 0

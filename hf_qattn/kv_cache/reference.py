@@ -3,11 +3,13 @@
 Storage of one layer (:class:`Buffers`, see also ``kernels/decode.py``), B batch, H heads, CAP slots, by
 precision:
 
-- ``int8``: K − k̄ in ``kq`` (B, H, CAP, D) int8 = round((K − k̄) / δK) (±127), ``ks`` (B, H, CAP) fp32 δK per
-  token; V − v̄ in ``vq`` (B, H, CAP, D) FP8 E4M3 over ``vs`` (B, H, CAP) fp32 δV per token (max |V − v̄| / 448);
+- ``int8``: K − k̄ equalized, (K − k̄) / σ_K, in ``kq`` (B, H, CAP, D) int8 over ``ks`` (B, H, CAP) fp32 δK per token
+  (its largest |value| / 127), σ_K in ``k_eq`` (B, H, D) bf16; V − v̄ likewise: ``vq`` int8, ``vs`` δV per token,
+  ``v_eq`` σ_V. K − k̄ ≈ σ_K ⊙ δK · kq. σ (``formats.KV_EQ_FLOOR``: each channel's largest |value| over the first
+  fill, floored) is set by :func:`set_equalizers` when the layer is first filled, 1 until then;
 - ``int4``: K per channel over groups of ``GROUP`` consecutive slots (KIVI's layout): ``kq`` (B, H, CAP, D_PAD/2)
   holds u ∈ [0, 15] two a byte (channel c in the low nibble, c + D_PAD/2 in the high one), ``ks``
-  (B, H, CAP/GROUP, 2, D) bf16 each (group, channel)'s scale and zero point, K − k̄ ≈ zero + u · scale; V as int8;
+  (B, H, CAP/GROUP, 2, D) bf16 each (group, channel)'s scale and zero point, K − k̄ ≈ zero + u · scale; V as int8's;
 - ``int8g``: K and V both per channel over groups, 8 bits: ``kq`` / ``vq`` (B, H, CAP, D) uint8 u ∈ [0, 255],
   ``ks`` / ``vs`` (B, H, CAP/GROUP, 2, D) bf16 scale and zero.
 
@@ -29,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..masks import visible_keys
-from ..kernels.formats import (FP8_E4M3_MAX as FP8_MAX, INT_MAX, KV_GROUP as GROUP, KV_GROUP_DIRECTED,
+from ..kernels.formats import (INT_MAX, KV_EQ_FLOOR, KV_EQ_MIN_TOKENS, KV_GROUP as GROUP, KV_GROUP_DIRECTED,
                                KV_GROUP_DITHER_STRIDE, KV_GROUP_DITHERED, KV_GROUP_LEVELS, padded_head_dim)
 from ..quant import SCALE_FLOOR, reciprocal
 
@@ -46,6 +48,8 @@ class Buffers(NamedTuple):
     vs: torch.Tensor
     k_recent: torch.Tensor | None  # grouped K (int4, int8g): K − k̄ of the incomplete group
     v_recent: torch.Tensor | None = None  # grouped V (int8g): V − v̄ of the incomplete group
+    k_eq: torch.Tensor | None = None  # per-token K (int8): σ_K (B, H, D) bf16
+    v_eq: torch.Tensor | None = None  # per-token V (int8, int4): σ_V (B, H, D) bf16
 
 
 def k_grouped(precision: str) -> bool:
@@ -77,21 +81,27 @@ def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: st
                 torch.zeros(b, h, capacity // GROUP, 2, d, device=device, dtype=torch.bfloat16),
                 torch.zeros(b, h, GROUP, d, device=device, dtype=recent_dtype))
 
+    def tokens():  # (values, a scale per token)
+        return (torch.zeros(b, h, capacity, d, device=device, dtype=torch.int8),
+                torch.zeros(b, h, capacity, device=device, dtype=torch.float32))
+
     if precision == "int4":
         kq, ks, k_recent = groups(padded_head_dim(d) // 2, torch.int8)
     elif precision == "int8g":
         kq, ks, k_recent = groups(d, torch.uint8)
     else:
-        kq = torch.zeros(b, h, capacity, d, device=device, dtype=torch.int8)
-        ks = torch.zeros(b, h, capacity, device=device, dtype=torch.float32)
+        kq, ks = tokens()
         k_recent = None
     if v_grouped(precision):
         vq, vs, v_recent = groups(d, torch.uint8)
     else:
-        vq = torch.zeros(b, h, capacity, d, device=device, dtype=torch.float8_e4m3fn)
-        vs = torch.zeros(b, h, capacity, device=device, dtype=torch.float32)
+        vq, vs = tokens()
         v_recent = None
-    return Buffers(precision, kq, ks, vq, vs, k_recent, v_recent)
+    # σ in bf16: only a scale (any value serves, the kernels and this reference read the same), and a sliding
+    # layer's small ring stays within its memory target
+    k_eq = None if k_grouped(precision) else torch.ones(b, h, d, device=device, dtype=torch.bfloat16)
+    v_eq = None if v_grouped(precision) else torch.ones(b, h, d, device=device, dtype=torch.bfloat16)
+    return Buffers(precision, kq, ks, vq, vs, k_recent, v_recent, k_eq, v_eq)
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -168,17 +178,35 @@ def dequantize_groups(u: torch.Tensor, params: torch.Tensor, dtype, precision: s
     return x.reshape(*lead, t, d).to(dtype)
 
 
-def quantize_k_tokens(kc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K − k̄ (…, N, D) float32 → INT8 (…, N, D) and δK (…, N): one scale per token."""
+def equalizers(xc: torch.Tensor) -> torch.Tensor:
+    """σ (B, H, D) float32 of the first fill's x − x̄ (B, H, N, D): each channel's largest |value|, at least
+    ``KV_EQ_FLOOR`` × the head's largest (formats.KV_EQ_FLOOR says why); 1 for a head with no spread, and everywhere
+    for a first fill shorter than ``KV_EQ_MIN_TOKENS``. NaN or ±Inf in x give NaN (the attention over the cache is
+    then NaN, never quietly finite)."""
+    if xc.shape[-2] < KV_EQ_MIN_TOKENS:
+        return torch.ones(xc.shape[:2] + xc.shape[3:], device=xc.device, dtype=torch.float32)
+    sigma = xc.float().abs().amax(-2)
+    top = sigma.amax(-1, keepdim=True)
+    sigma = torch.where(top > 0, torch.maximum(sigma, top * KV_EQ_FLOOR), 1.0)
+    finite = torch.isfinite(xc).all(-2).all(-1, keepdim=True)
+    return torch.where(finite, sigma, float("nan")).contiguous()
+
+
+def set_equalizers(buffers: Buffers, k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor):
+    """Fix the per-token formats' σ_K, σ_V (:func:`equalizers`) from the first fill k, v (B, H, N, D), in place."""
+    if buffers.k_eq is not None:
+        buffers.k_eq.copy_(equalizers(k.float() - k_bar[:, :, None, :]))
+    if buffers.v_eq is not None:
+        buffers.v_eq.copy_(equalizers(v.float() - v_bar[:, :, None, :]))
+
+
+def quantize_tokens(xc: torch.Tensor, eq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x − x̄ (B, H, N, D) float32 and its equalizers σ (B, H, D) → INT8 (B, H, N, D) of (x − x̄) / σ over its per-token
+    scale, and that scale (B, H, N): the largest |(x − x̄) / σ| of the token / 127."""
     qmax = INT_MAX["int8"]
-    ks = kc.abs().amax(-1).clamp_min(SCALE_FLOOR) / qmax
-    return torch.round(kc * reciprocal(ks)[..., None]).clamp_(-qmax, qmax).to(torch.int8), ks
-
-
-def quantize_v_tokens(vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """V − v̄ (B, H, N, D) float32 → FP8 (V − v̄) / δV and δV (B, H, N) per token."""
-    vs = vc.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX
-    return (vc * reciprocal(vs)[..., None]).to(torch.float8_e4m3fn), vs
+    xe = xc * reciprocal(eq)[:, :, None, :]
+    scale = xe.abs().amax(-1).clamp_min(SCALE_FLOOR) / qmax
+    return torch.round(xe * reciprocal(scale)[..., None]).clamp_(-qmax, qmax).to(torch.int8), scale
 
 
 def _append_groups(x: torch.Tensor, values: torch.Tensor, params: torch.Tensor, recent: torch.Tensor, pos0: int,
@@ -212,11 +240,11 @@ def append(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.T
     if k_grouped(p):
         _append_groups(kc, buffers.kq, buffers.ks, buffers.k_recent, pos0, p)
     else:
-        buffers.kq[:, :, pos0: pos0 + n], buffers.ks[:, :, pos0: pos0 + n] = quantize_k_tokens(kc)
+        buffers.kq[:, :, pos0: pos0 + n], buffers.ks[:, :, pos0: pos0 + n] = quantize_tokens(kc, buffers.k_eq)
     if v_grouped(p):
         _append_groups(vc, buffers.vq, buffers.vs, buffers.v_recent, pos0, p)
     else:
-        buffers.vq[:, :, pos0: pos0 + n], buffers.vs[:, :, pos0: pos0 + n] = quantize_v_tokens(vc)
+        buffers.vq[:, :, pos0: pos0 + n], buffers.vs[:, :, pos0: pos0 + n] = quantize_tokens(vc, buffers.v_eq)
 
 
 def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots: torch.Tensor | None):
@@ -225,7 +253,8 @@ def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots:
     values, scales = getattr(buffers, which + "q"), getattr(buffers, which + "s")
     if not (k_grouped if which == "k" else v_grouped)(buffers.precision):
         index = slice(0, length) if slots is None else slots
-        return values[:, :, index, :d].to(dtype) * scales[:, :, index, None].to(dtype)
+        eq = getattr(buffers, which + "_eq")[:, :, None, :d].to(dtype)
+        return values[:, :, index, :d].to(dtype) * scales[:, :, index, None].to(dtype) * eq
     if slots is not None:
         raise ValueError(f"grouped {which.upper()} is read in whole groups: dequantize_{which} takes a length, not slots")
     whole = length // GROUP * GROUP
