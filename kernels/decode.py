@@ -287,8 +287,8 @@ def _fp16_1152_plus(x):
 
 
 @triton.jit
-def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
-                 v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
+def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+                 s_base, v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
                  ring_lo, ring_count,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
@@ -481,7 +481,8 @@ def _with_sink(acc, m, l, seen, sink2, v_bar):
 
 @triton.jit(do_not_specialize=["NK", "SPLIT_LEN", "NUM_SPLITS"])
 def decode_kernel(
-    Q, KQ, KS, VQ, VS, KR, VR, V_BAR, K_EQ, V_EQ, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR, SINKS,
+    Q, KQ, KS, VQ, VS, KR, VR, V_BAR, K_EQ, V_EQ, KV_START, KV_END, O, PART_O, PART_M, PART_L, COUNTER, LEN, K_BAR,
+    SINKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_sb, stride_sh,
@@ -618,21 +619,21 @@ def decode_kernel(
     # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-            g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
-            softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
+            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+            v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
+            shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
             HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False, False)
     for start in range(hi_full, hi_packed, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base, v_base,
-            g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift,
-            softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
+            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+            v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
+            shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
             HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, False)
     if GROUPED:
         for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
-                v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
+                q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+                s_base, v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
                 score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
                 INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, True)
 

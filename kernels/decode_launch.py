@@ -59,7 +59,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
     k_eq, v_eq = buffers.k_eq, buffers.v_eq
     group_strides = ks.stride()[:3] if int4 or g8 else (0, 0, 0)
     recent_strides = kr.stride()[:2] if int4 or g8 else (0, 0)
-    args = (k, v, k_bar, v_bar, k_eq, v_eq, kq, ks, vq, vs, kr, vr, 0 if device_pos else pos0, pos0 if device_pos else None,
+    args = (k, v, k_bar, v_bar, k_eq, v_eq, kq, ks, vq, vs, kr, vr, 0 if device_pos else pos0,
+            pos0 if device_pos else None,
             *k.stride(), *v.stride(), *kq.stride()[:3], *vs.stride()[:2], *group_strides, *recent_strides,
             *vq.stride()[:3], hk, n)
     kwargs = dict(HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), BLOCK_T=block_t, INT4=int4, G8=g8, GRID_ROUND=interp,
