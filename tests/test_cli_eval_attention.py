@@ -34,6 +34,7 @@ def test_per_layer_table_and_json(tmp_path, capsys):
 
 def test_missing_text_is_one_line_error(tmp_path, capsys):
     model_dir, _ = tiny_causal_lm.build(str(tmp_path / "tiny"))
+    capsys.readouterr()  # what building the model printed (transformers 5.17 shows a progress bar when saving it)
     assert cli.main(["eval-attention", model_dir, "--text", str(tmp_path / "none.txt"), "--out",
                      str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
