@@ -9,7 +9,7 @@ not a multiple of any tile, head dim, dtype, INT8/INT4 K, left padding, split co
   1. the append kernel's storage against ``hf_qattn.kv_cache.reference.append`` (INT values and INT4 group
      scales equal, per-token INT8 K and V values equal and their scales to 1e-6);
   2. the decode kernel against float64 attention over the same storage (tolerance: the kernel's
-     bf16 P·δV rounding and the output dtype: (3e-3 + 2 eps) · max |ref|);
+     fp16 q̂ and P·δV rounding and the output dtype: (3e-3 + 2 eps) · max |ref|);
   3. the relative L1 error against exact float64 attention on the unquantized K/V (reported; bounded
      at 0.03 for INT8 K and 0.2 for INT4 K on these inputs with channel outliers);
   4. a second call equal to the first bit for bit (the splits are merged inside the decode launch

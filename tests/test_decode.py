@@ -2,7 +2,7 @@
 
 Two yardsticks per case:
 - attention in float64 over the very same quantized storage (``hf_qattn.kv_cache.reference.decode_attention``):
-  the kernel may differ only by its bf16 rounding of P·δV and the output dtype's rounding;
+  the kernel may differ only by its fp16 rounding of q̂ and of P·δV (and bf16 in the INT4 tile) and the output dtype's;
 - exact float64 attention over the unquantized K/V: the quantization error of the cache format.
 Mutated copies of the kernel (diagonal moved, v̄ dropped, splits merged without their weights)
 must fail the first check — that is what makes its tolerance meaningful.
