@@ -55,8 +55,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
     else:
         block_t = tuning.decode_config(interp)["APPEND_BLOCK_T"] if n > 16 else 16
         tiles = _cdiv(n, block_t)
-    kq, ks, vq, vs, kr, vr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent, buffers.v_recent
-    k_eq, v_eq = buffers.k_eq, buffers.v_eq
+    kq, ks, vq, vs, kr, vr, k_eq, v_eq = (buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent,
+                                          buffers.v_recent, buffers.k_eq, buffers.v_eq)
     group_strides = ks.stride()[:3] if int4 or g8 else (0, 0, 0)
     recent_strides = kr.stride()[:2] if int4 or g8 else (0, 0)
     args = (k, v, k_bar, v_bar, k_eq, v_eq, kq, ks, vq, vs, kr, vr, 0 if device_pos else pos0,
@@ -195,8 +195,8 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     (``FastLauncher.launch_memo``).
     """
     b, hq, nq, d = q.shape
-    kq, ks, vq, vs, kr, vr = buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent, buffers.v_recent
-    k_eq, v_eq = buffers.k_eq, buffers.v_eq
+    kq, ks, vq, vs, kr, vr, k_eq, v_eq = (buffers.kq, buffers.ks, buffers.vq, buffers.vs, buffers.k_recent,
+                                          buffers.v_recent, buffers.k_eq, buffers.v_eq)
     int4, g8 = _check_buffers(buffers)
     grouped = int4 or g8
     hk = kq.shape[1]
@@ -244,8 +244,8 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
     extra.update(tuning.register_cap(maxnreg, interp))
     score_k_bar = k_bar if (sinks is not None or softcap is not None) else None
-    args = (q, kq, ks, vq, vs, kr, vr, v_bar, k_eq, v_eq, kv_start, kv_end, out, part_o, part_m, part_l, counter, length, score_k_bar,
-            sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if grouped else (0, 0, 0)),
+    args = (q, kq, ks, vq, vs, kr, vr, v_bar, k_eq, v_eq, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
+            score_k_bar, sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if grouped else (0, 0, 0)),
             *(kr.stride()[:3] if grouped else (0, 0, 0)), *vq.stride()[:3], *out.stride(),
             hk, nq, nk, cfg["split_len"], splits, sm_scale * LOG2E,
             1.0 if softcap is None else float(softcap) * LOG2E, window or 0, chunk or 1, ring or 1)
