@@ -274,11 +274,26 @@ def dequantize_v(buffers: Buffers, d: int, length: int, dtype=torch.float32, slo
     return _dequantize(buffers, "v", d, length, dtype, slots)
 
 
+def _group_rounding(q, buffers: Buffers, d: int, nk: int, rounding: torch.dtype, dtype) -> torch.Tensor:
+    """What rounding q ⊙ scale to ``rounding`` adds to the scores of INT4 K's whole groups (B, Hq, Nq, nk); 0 for the
+    recent rows, which the kernel reads unquantized."""
+    b, hq, nq, _ = q.shape
+    hk = buffers.kq.shape[1]
+    whole = nk // GROUP * GROUP
+    u = unpack_nibbles(buffers.kq[:, :, :whole], d).to(dtype).reshape(b, hk, whole // GROUP, GROUP, d)
+    scale = buffers.ks[:, :, : whole // GROUP, 0].to(dtype)  # (B, Hk, groups, D)
+    qg = q.to(dtype).reshape(b, hk, hq // hk, nq, 1, d)
+    exact = qg * scale[:, :, None, None]
+    error = exact.to(rounding).to(dtype) - exact  # (B, Hk, Hq/Hk, Nq, groups, D)
+    delta = torch.einsum("bhgqnd,bhntd->bhgqnt", error, u).reshape(b, hq, nq, whole)
+    return torch.nn.functional.pad(delta, (0, nk - whole))
+
+
 def decode_attention(q, buffers: Buffers, v_bar, nk: int, *, sm_scale: float | None = None,
                      causal: bool = True, kv_start=None, kv_end=None, window: int | None = None,
                      chunk: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
                      k_bar: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
-                     dtype=torch.float64) -> torch.Tensor:
+                     dtype=torch.float64, group_q_round: torch.dtype | None = None) -> torch.Tensor:
     """Attention of q (B, Hq, Nq, D) over the first ``nk`` slots of ``buffers``, computed in ``dtype``.
 
     Returns (B, Nq, Hq, D) in q's dtype (the layout transformers' attention functions return).
@@ -288,6 +303,8 @@ def decode_attention(q, buffers: Buffers, v_bar, nk: int, *, sm_scale: float | N
     positions; ``kv_start`` / ``kv_end`` (B,) select slots. ``sinks`` (Hq,): one more logit per query
     head in the denominator, no value. ``softcap``: scores c·tanh(s / c). Both need the true scores, so
     ``k_bar`` (B, Hk, D) (the stored K is K − k̄; without them q·k̄ shifts a row, which the softmax ignores). Rows that see no key give zeros (as the kernel).
+    ``group_q_round``: INT4 K only, the decode kernel's rounding of q ⊙ scale before its dot with a group's nibbles
+    (bf16 on a GPU: up to 2^−9 of each product, a few percent of a weight on large scores; None: exact).
     """
     b, hq, nq, d = q.shape
     hk = buffers.kq.shape[1]
@@ -302,6 +319,8 @@ def decode_attention(q, buffers: Buffers, v_bar, nk: int, *, sm_scale: float | N
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
+    if group_q_round is not None and buffers.precision == "int4":
+        scores = scores + _group_rounding(q, buffers, d, nk, group_q_round, dtype) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     seen = visible_keys(b, nq, nk, is_causal=False, kv_start=kv_start, kv_end=kv_end, device=q.device)
