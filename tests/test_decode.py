@@ -479,3 +479,31 @@ def test_bound_launches_of_a_cache_layer_match_triton_launches(seed, precision, 
             if a is not None:
                 assert torch.equal(a, b), f"storage after step {i}"
     assert launcher.direct >= direct + 50
+
+
+def test_the_reference_models_the_int4_tiles_rounding_of_q_times_scale(seed):
+    """group_q_round: the scores of INT4 K's whole groups become Σ round(q ⊙ scale)·u + q·zero (the GPU tile's
+    arithmetic), the recent rows' stay exact; checked against that sum written out, on scores large enough that
+    the rounding moves the output."""
+    b, hq, hk, nq, nk, d = 1, 4, 2, 1, 150, 64
+    k, v = outlier_kv(b, hk, nk, d)
+    q = (4.0 * torch.randn(b, hq, nq, d)).to(DEVICE)  # float32: the reference's output is not rounded to bf16
+    st = fill(k, v, "int4")
+    buf = st["buf"]
+    whole = nk // kv_reference.GROUP * kv_reference.GROUP
+    u = kv_reference.unpack_nibbles(buf.kq[:, :, :whole], d).double().reshape(b, hk, -1, kv_reference.GROUP, d)
+    scale, zero = buf.ks[:, :, : whole // kv_reference.GROUP, 0].double(), buf.ks[:, :, : whole // kv_reference.GROUP, 1].double()
+    qd = q.double().reshape(b, hk, hq // hk, nq, d)
+    qs = (qd[:, :, :, :, None, :] * scale[:, :, None, None]).to(torch.bfloat16).double()
+    grouped = (torch.einsum("bhgqnd,bhntd->bhgqnt", qs, u)
+               + torch.einsum("bhgqd,bhnd->bhgqn", qd, zero)[..., None]).reshape(b, hq, nq, whole)
+    recent = torch.einsum("bhgqd,bhtd->bhgqt", qd, buf.k_recent[:, :, : nk - whole].double()).reshape(b, hq, nq, -1)
+    probs = torch.softmax(torch.cat([grouped, recent], -1) / d ** 0.5, -1)
+    v_all = kv_reference.dequantize_v(buf, d, nk, torch.float64).repeat_interleave(hq // hk, 1)
+    written_out = probs @ v_all + st["v_bar"].double().repeat_interleave(hq // hk, 1)[:, :, None, :]
+    modeled = kv_reference.decode_attention(q, buf, st["v_bar"], nk, group_q_round=torch.bfloat16,
+                                            dtype=torch.float64).double().transpose(1, 2)
+    exact = kv_reference.decode_attention(q, buf, st["v_bar"], nk, dtype=torch.float64).double().transpose(1, 2)
+    tol = 1e-5 * written_out.abs().max()  # the reference's float32 output
+    assert (modeled - written_out).abs().max() <= tol
+    assert (exact - written_out).abs().max() > 30 * tol  # the rounding matters on these scores
