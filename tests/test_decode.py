@@ -492,7 +492,8 @@ def test_the_reference_models_the_int4_tiles_rounding_of_q_times_scale(seed):
     buf = st["buf"]
     whole = nk // kv_reference.GROUP * kv_reference.GROUP
     u = kv_reference.unpack_nibbles(buf.kq[:, :, :whole], d).double().reshape(b, hk, -1, kv_reference.GROUP, d)
-    scale, zero = buf.ks[:, :, : whole // kv_reference.GROUP, 0].double(), buf.ks[:, :, : whole // kv_reference.GROUP, 1].double()
+    params = buf.ks[:, :, : whole // kv_reference.GROUP].double()
+    scale, zero = params[:, :, :, 0], params[:, :, :, 1]
     qd = q.double().reshape(b, hk, hq // hk, nq, d)
     qs = (qd[:, :, :, :, None, :] * scale[:, :, None, None]).to(torch.bfloat16).double()
     grouped = (torch.einsum("bhgqnd,bhntd->bhgqnt", qs, u)
