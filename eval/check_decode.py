@@ -145,10 +145,9 @@ def run_case(case, device):
     by_device = decode_launch.decode(q, buf, v_bar, cap, length=torch.tensor([nk], device=device,
                                      dtype=torch.int32), **{**common, "num_splits": None})
     torch.cuda.synchronize() if device == "cuda" else None
-    # the INT4 tile rounds q ⊙ scale to bf16 on a GPU (fp32 under the interpreter): the reference does as the kernel
     ref = kv_reference.decode_attention(q, buf, v_bar, nk, causal=True, kv_start=kv_start, kv_end=kv_end,
                                         dtype=torch.float64,
-                                        group_q_round=torch.bfloat16 if device == "cuda" else None).double()
+                                        group_q_round=decode_launch.group_q_rounding(device)).double()
     scale = ref.abs().max().clamp_min(1e-6)
     eps = torch.finfo(dtype).eps
     tol = (3e-3 + 2 * eps) * scale

@@ -20,6 +20,13 @@ from .decode import append_kernel, decode_kernel
 from .formats import KV_GROUP as GROUP, LOG2E
 
 
+def group_q_rounding(device) -> torch.dtype | None:
+    """How the INT4 tile rounds q ⊙ scale before its dot with a group's nibbles on ``device`` (kernels/decode.py):
+    bf16 in a compiled build, not at all under the interpreter (fp32). For references that model the kernel
+    (``kv_cache.reference.decode_attention(group_q_round=)``)."""
+    return None if tuning.interpreting() or torch.device(device).type != "cuda" else torch.bfloat16
+
+
 def _check_buffers(buffers) -> tuple[bool, bool]:
     """(INT4, G8): the precision of ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its
     fields): ``int4`` (4-bit K groups) or ``int8g`` (8-bit K and V groups), else per-token INT8 K and V. The

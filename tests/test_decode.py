@@ -64,10 +64,6 @@ def tiles(precision: str) -> dict:
     return {"block_n": 16} if precision == "int8" else {}
 
 
-# the INT4 tile's rounding of q ⊙ scale (kernels/decode.py): bf16 on a GPU, none under the interpreter (fp32)
-GROUP_Q_ROUND = torch.bfloat16 if DEVICE == "cuda" else None
-
-
 def mismatch(out, ref) -> str | None:
     """Why the kernel's output is not the float64 result over the same storage, or None."""
     out, ref = out.double(), ref.double()
@@ -120,7 +116,7 @@ def test_decode_matches_float64(seed, case):
                                causal=True, kv_start=kv_start, kv_end=kv_end, num_splits=splits, **tile)
     assert out.shape == (b, nq, hq, d) and out.dtype == dtype
     ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], nk, causal=True, kv_start=kv_start, kv_end=kv_end,
-                                        group_q_round=GROUP_Q_ROUND)
+                                        group_q_round=decode_launch.group_q_rounding(DEVICE))
     assert mismatch(out, ref) is None, mismatch(out, ref)
     # against exact attention on the unquantized K/V: the error of the cache format itself
     exact = reference.exact_attention(q, k.to(dtype), v.to(dtype), is_causal=nq > 1, kv_start=kv_start,
