@@ -140,7 +140,7 @@ def main():
         passes.append(f"| {label} | " + " | ".join(f"{times[key]:.4f}" for key in [*variants, "copy"])
                       + f" | {pass_gbs:.0f} | {copy_gbs:.0f} |")
         centers.append(f"| {label} | " + " | ".join(
-            f"{graph_ms(lambda r=r, w=w: launch.smoothing_centers(q, k, v, True, True, True, rows=r, num_warps=w)) * 1e3:.1f} µs"
+            f"{graph_ms(lambda r=r, w=w: launch.smoothing_centers(q, k, v, True, True, True, MEAN_ROWS=r, num_warps=w)) * 1e3:.1f} µs"
             for r, w in ((64, 4), (128, 4), (256, 8))) + " |")
         kv = launch.quantize_kv(q, k, v, **base)
         out = torch.empty_like(q)

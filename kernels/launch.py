@@ -27,29 +27,31 @@ from .formats import INT_MAX, LOG2E, P_LOG2_FP8, P_SCALE
 from .quantize import centers_kernel, quantize_kv_kernel
 
 
-def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, rows: int = 64, num_warps: int = 4,
-                      v_range: torch.Tensor | None = None, block_n: int = 128, k_range: torch.Tensor | None = None,
-                      maxnreg: int = 0):
+def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, *, v_range: torch.Tensor | None = None,
+                      k_range: torch.Tensor | None = None, maxnreg: int = 0, **overrides):
     """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off; V's from more
-    sampled tokens than Q's and K's (kernels.json says why). Each program sums ``rows`` sampled tokens a
-    step. With ``v_range`` ((B·Hk, 2, D_PAD) float32, −inf-filled) the same launch also writes V's range per
-    channel there (see ``centers_kernel``); ``k_range``, the same for K (the K/V pass picks the split channel
-    from it). Measured on the H100 (d128 B4 H32, GPU µs at 1k / 2k / 8k): this launch at 4 warps 30 / 47 / 142, the centers and a separate 16-warp
-    V-max kernel 36 / 49 / 113, this launch at 16 warps 61 / 107 / 370; one launch fewer also saves the
-    host ≈ 40–50 µs a call."""
+    sampled tokens than Q's and K's (kernels.json says why). With ``v_range`` ((B·Hk, 2, D_PAD) float32,
+    −inf-filled) the same launch also writes V's range per channel there (see ``centers_kernel``); ``k_range``,
+    the same for K (the K/V pass picks the split channel from it). One launch for all of it saves the host
+    ≈ 40–50 µs a call against two. Its shape (rows a mean program sums a step, rows a range program reduces
+    and a step of it, warps) is kernels.json's ``centers`` (tuning.centers_config); ``overrides`` replace its
+    keys (to measure others)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    d_pad = tuning.padded_head_dim(d)
+    config = {**tuning.centers_config(d_pad), **overrides}
     sample, v_sample = tuning.center_sample(), tuning.v_center_sample()
     centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
-    tiles = math.ceil(nk / block_n)
-    range_programs = b * hk * tiles * ((v_range is not None) + (k_range is not None))
+    blocks = math.ceil(nk / config["RANGE_ROWS"])
+    range_programs = b * hk * blocks * ((v_range is not None) + (k_range is not None))
     fast(centers_kernel)[(b * hq + 2 * b * hk + range_programs,)](
         q, k, v, centers, v_range, k_range, *q.stride(), *k.stride(), *v.stride(),
         hq, hk, b * hq, b * hk, nq, nk, math.ceil(nq / sample) if nq > sample else 1,
-        math.ceil(nk / sample) if nk > sample else 1, math.ceil(nk / v_sample) if nk > v_sample else 1, tiles,
-        HEAD_DIM=d, D_PAD=tuning.padded_head_dim(d), ROWS=rows, BLOCK_N=block_n,
-        SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, WITH_V_RANGE=v_range is not None,
-        WITH_K_RANGE=k_range is not None, num_warps=num_warps, **tuning.register_cap(maxnreg),
+        math.ceil(nk / sample) if nk > sample else 1, math.ceil(nk / v_sample) if nk > v_sample else 1, blocks,
+        HEAD_DIM=d, D_PAD=d_pad, ROWS=config["MEAN_ROWS"], RANGE_ROWS=config["RANGE_ROWS"],
+        CHUNK_ROWS=config["CHUNK_ROWS"], SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+        WITH_V_RANGE=v_range is not None, WITH_K_RANGE=k_range is not None, num_warps=config["num_warps"],
+        **tuning.register_cap(maxnreg),
     )
     return centers[: b * hq], centers[b * hq: b * (hq + hk)], centers[b * (hq + hk):]
 
@@ -108,7 +110,7 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
                         dtype=torch.float32)
     vs = ranges[0] if v_channel_scale else torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
     k_range = ranges[-1] if split else None
-    q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v, block_n=block_n,
+    q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v,
                                             v_range=vs if v_channel_scale else None, k_range=k_range,
                                             maxnreg=maxnreg[0])
     split_channel = torch.empty(b * hk if split else 0, device=device, dtype=torch.int32)

@@ -60,16 +60,23 @@ def _sampled_mean(base, stride_n, stride_d, n, step, cols, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def _range_tile(X, RANGE, bh, tile, HK, stride_b, stride_h, stride_n, stride_d, N, cols,
-                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(max X, max −X) per channel over one tile of keys, merged into RANGE[bh] (−inf-initialized)."""
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = (rows < N)[:, None] & (cols < HEAD_DIM)[None, :]
-    x = tl.load(X + (bh // HK).to(tl.int64) * stride_b + (bh % HK) * stride_h + rows[:, None] * stride_n
-                + cols[None, :] * stride_d, mask=inside, other=0.0).to(tl.float32)
-    tl.atomic_max(RANGE + bh * 2 * D_PAD + cols, tl.max(tl.where(inside, x, float("-inf")), axis=0), sem="relaxed")
-    tl.atomic_max(RANGE + (bh * 2 + 1) * D_PAD + cols, tl.max(tl.where(inside, -x, float("-inf")), axis=0),
-                  sem="relaxed")
+def _range_block(X, RANGE, bh, block, HK, stride_b, stride_h, stride_n, stride_d, N, cols,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RANGE_ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """(max X, max −X) per channel over rows [block·RANGE_ROWS, +RANGE_ROWS) of one kv head, read CHUNK_ROWS rows
+    a step, merged into RANGE[bh] (−inf-initialized) by one pair of atomics: every program of a head merges into
+    the same 2·D_PAD floats, so fewer, longer programs contend less (max is exact in any order)."""
+    base = X + (bh // HK).to(tl.int64) * stride_b + (bh % HK) * stride_h
+    top = tl.full([D_PAD], float("-inf"), tl.float32)
+    bottom = tl.full([D_PAD], float("-inf"), tl.float32)
+    end = tl.minimum(block * RANGE_ROWS + RANGE_ROWS, N)
+    for r0 in range(block * RANGE_ROWS, end, CHUNK_ROWS):
+        rows = r0 + tl.arange(0, CHUNK_ROWS)
+        inside = (rows < end)[:, None] & (cols < HEAD_DIM)[None, :]
+        x = tl.load(base + rows[:, None] * stride_n + cols[None, :] * stride_d, mask=inside, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.max(tl.where(inside, x, float("-inf")), axis=0))
+        bottom = tl.maximum(bottom, tl.max(tl.where(inside, -x, float("-inf")), axis=0))
+    tl.atomic_max(RANGE + bh * 2 * D_PAD + cols, top, sem="relaxed")
+    tl.atomic_max(RANGE + (bh * 2 + 1) * D_PAD + cols, bottom, sem="relaxed")
 
 
 @triton.jit
@@ -78,15 +85,16 @@ def centers_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, STEP_V, KEY_TILES,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ, HK, NUM_Q, NUM_KV, NQ, NK, STEP_Q, STEP_K, STEP_V, RANGE_BLOCKS,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, RANGE_ROWS: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
     SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, WITH_V_RANGE: tl.constexpr,
     WITH_K_RANGE: tl.constexpr,
 ):
     """CENTERS rows: [q̄ of each b·Hq | k̄ of each b·Hk | v̄ of each b·Hk]; zeros where smoothing is off.
     With WITH_K_RANGE the same for K into K_RANGE, from which the K/V pass picks the split channel.
     With WITH_V_RANGE also V's range per channel over all keys: V_RANGE[b·Hk] = (max V, max −V)
-    (−inf-initialized, one program per key tile). That needs no v̄, so one launch serves both:
+    (−inf-initialized, one program per block of RANGE_ROWS keys). That needs no v̄, so one launch serves both:
     max |V − v̄| = max(max V − v̄, v̄ + max −V), exactly (float rounding is monotonic)."""
     pid = tl.program_id(0)  # [0, NUM_Q): q̄ · then k̄ · then v̄ · then (b·Hk, key tile) of V's range
     cols = tl.arange(0, D_PAD)
@@ -109,17 +117,17 @@ def centers_kernel(
             mean = _sampled_mean(V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK) * stride_vh,
                                  stride_vn, stride_vd, NK, STEP_V, cols, HEAD_DIM, D_PAD, ROWS)
         tl.store(CENTERS + pid * HEAD_DIM + cols, mean, mask=col_ok)
-    else:  # range programs: V's key tiles (WITH_V_RANGE), then K's (WITH_K_RANGE)
+    else:  # range programs: V's key blocks (WITH_V_RANGE), then K's (WITH_K_RANGE)
         t = pid - NUM_Q - 2 * NUM_KV
         if WITH_V_RANGE:
-            if t < NUM_KV * KEY_TILES:
-                _range_tile(V, V_RANGE, t // KEY_TILES, t % KEY_TILES, HK, stride_vb, stride_vh, stride_vn,
-                            stride_vd, NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
-            t -= NUM_KV * KEY_TILES
+            if t < NUM_KV * RANGE_BLOCKS:
+                _range_block(V, V_RANGE, t // RANGE_BLOCKS, t % RANGE_BLOCKS, HK, stride_vb, stride_vh, stride_vn,
+                             stride_vd, NK, cols, HEAD_DIM, D_PAD, RANGE_ROWS, CHUNK_ROWS)
+            t -= NUM_KV * RANGE_BLOCKS
         if WITH_K_RANGE:
             if t >= 0:
-                _range_tile(K, K_RANGE, t // KEY_TILES, t % KEY_TILES, HK, stride_kb, stride_kh, stride_kn,
-                            stride_kd, NK, cols, HEAD_DIM, D_PAD, BLOCK_N)
+                _range_block(K, K_RANGE, t // RANGE_BLOCKS, t % RANGE_BLOCKS, HK, stride_kb, stride_kh, stride_kn,
+                             stride_kd, NK, cols, HEAD_DIM, D_PAD, RANGE_ROWS, CHUNK_ROWS)
 
 
 @triton.jit

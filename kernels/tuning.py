@@ -79,6 +79,13 @@ def hopper_config(head_dim: int) -> dict:
     return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
 
 
+@functools.lru_cache(maxsize=None)
+def centers_config(d_pad: int) -> dict:
+    """The centers launch's shape for this padded head dim (``centers`` in kernels.json); cached, read-only."""
+    entry = table()["centers"]
+    return {**entry["default"], **entry["head_dim"].get(str(d_pad), {})}
+
+
 def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, split: bool, variant: bool,
                persistent: bool) -> tuple[int, int]:
     """(consumer warpgroups, ring stages) of a CTA of the sm90 kernel, 64 query rows a consumer.

@@ -121,6 +121,28 @@ def test_outputs_are_fully_written(seed):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("shape", [dict(RANGE_ROWS=48, CHUNK_ROWS=16), dict(RANGE_ROWS=16, CHUNK_ROWS=16),
+                                   dict(RANGE_ROWS=4096, CHUNK_ROWS=32)])
+def test_centers_launch_finds_each_channels_range_over_all_keys(seed, shape):
+    """V's and K's range per channel (max x, max −x) over every key, from the same launch as the centers, under
+    blocks of keys that do not divide the length (nor the chunk the block): exact, as max is. One large value of
+    each sign is planted per head at a random key, where a block or chunk that skipped rows would miss it."""
+    b, hk, n, d = 2, 3, 203, 48
+    q = torch.randn(b, 2 * hk, n, d, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hk, n, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    for x in (k, v):
+        for bh in range(b * hk):
+            x[bh // hk, bh % hk, torch.randint(n, ()), torch.randint(d, ())] = 40.0
+            x[bh // hk, bh % hk, torch.randint(n, ()), torch.randint(d, ())] = -50.0
+    d_pad = tuning.padded_head_dim(d)
+    ranges = torch.full((2, b * hk, 2, d_pad), float("-inf"), device=DEVICE)
+    launch.smoothing_centers(q, k, v, True, True, True, v_range=ranges[0], k_range=ranges[1], **shape)
+    for got, x in zip(ranges, (v, k)):
+        x = x.float().reshape(b * hk, n, d)
+        assert torch.equal(got[:, 0, :d], x.amax(1)) and torch.equal(got[:, 1, :d], (-x).amax(1))
+        assert torch.isneginf(got[:, :, d:]).all()  # padding channels stay −inf: nothing is read there
+
+
 # --- mutants: the check above must catch a broken kernel -------------------------------------------
 MUTATIONS = {
     "drop ΔS": ("bias = tl.load(DS_bhq + offs_n)[None, :]", "bias = 0.0 * tl.load(DS_bhq + offs_n)[None, :]"),
