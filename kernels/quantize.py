@@ -96,7 +96,7 @@ def centers_kernel(
     With WITH_V_RANGE also V's range per channel over all keys: V_RANGE[b·Hk] = (max V, max −V)
     (−inf-initialized, one program per block of RANGE_ROWS keys). That needs no v̄, so one launch serves both:
     max |V − v̄| = max(max V − v̄, v̄ + max −V), exactly (float rounding is monotonic)."""
-    pid = tl.program_id(0)  # [0, NUM_Q): q̄ · then k̄ · then v̄ · then (b·Hk, key tile) of V's range
+    pid = tl.program_id(0)  # [0, NUM_Q): q̄ · then k̄ · then v̄ · then (b·Hk, key block) of V's range, K's
     cols = tl.arange(0, D_PAD)
     col_ok = cols < HEAD_DIM
     mean = tl.zeros([D_PAD], tl.float32)

@@ -31,7 +31,8 @@ from timing import bench_graph_ms  # noqa: E402
 PREPASS_SHAPES = [  # label, B, Hq, Hk, N, d
     ("8k H32 d256", 1, 32, 32, 8192, 256), ("8k H32 d128", 1, 32, 32, 8192, 128),
     ("1k B4 H32 d128", 4, 32, 32, 1024, 128), ("16k B4 H32 d128", 4, 32, 32, 16384, 128),
-    ("8k 64/8 d64", 1, 64, 8, 8192, 64), ("4k B4 H32 d64", 4, 32, 32, 4096, 64), ("75k H40 d128", 1, 40, 40, 75600, 128),
+    ("8k 64/8 d64", 1, 64, 8, 8192, 64), ("4k B4 H32 d64", 4, 32, 32, 4096, 64),
+    ("75k H40 d128", 1, 40, 40, 75600, 128),
 ]
 CALLS = [  # label, B, Hq, Hk, N, d, causal, qattn keywords
     ("window 1024 8k H32 d128", 1, 32, 32, 8192, 128, True, dict(window=1024)),
@@ -78,7 +79,8 @@ def centers_sweep():
         torch.cuda.empty_cache()
     print("\n| shape | before (µs) | best 3 (µs mean/range/chunk/warps) |\n|---|---|---|")
     for label, before, top in best:
-        print(f"| {label} | {before[0]:.1f} | " + "; ".join(f"{us:.1f} {m}/{r}/{c}/{w}" for us, m, r, c, w in top) + " |")
+        best_three = "; ".join(f"{us:.1f} {m}/{r}/{c}/{w}" for us, m, r, c, w in top)
+        print(f"| {label} | {before[0]:.1f} | {best_three} |")
 
 
 def pass_warps():
