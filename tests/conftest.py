@@ -83,6 +83,10 @@ def tiny_model():
 # turns that back on where it tests it.
 os.environ.setdefault("HF_QATTN_BREAK_EVEN", "0")
 
+# Under pytest-xdist (the README's `-n auto`) each worker takes its share of the cores for torch's threads: a
+# worker per core each running as many threads as there are cores would oversubscribe the machine.
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 # The real Triton kernels run on the CPU under Triton's interpreter. The switch is read when a
 # kernel module is imported, so it is set here, before any test imports hf_qattn.kernels.
 if not torch.cuda.is_available():

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -60,24 +62,40 @@ SHIPPED = [
 SHIPPED = [c for i, c in enumerate(SHIPPED) if c not in SHIPPED[:i]]  # causal builds are the same at both lengths
 
 
+# The sm90 builds run in a child process (a Gluon compile error can abort the process: seen with triton 3.6),
+# one child kept per test process and fed one build a line: importing torch and triton takes as long as a build.
 _PROBE = """
 import json, sys
 from hf_qattn.kernels.hopper import offline_build as ob
-kernel = ob.compile_sm90(**json.loads(sys.argv[1]))
-ops = ob.opcode_counts(kernel)
-print(json.dumps({**ob.resources(kernel), "loop_local": ob.loop_local_memory(kernel),
-                  **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL")}}))
+for line in sys.stdin:
+    kernel = ob.compile_sm90(**json.loads(line))
+    ops = ob.opcode_counts(kernel)
+    print(json.dumps({**ob.resources(kernel), "loop_local": ob.loop_local_memory(kernel),
+                      **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL")}}), flush=True)
 """
+_prober: dict = {}  # "process", "log": the child of this test process and the file its stderr goes to
 
 
 def offline_report(config: dict) -> dict:
     """The sm90 build of ``config`` (kernels/hopper/offline_build.py's arguments): resources, loop-local memory,
-    opcode counts. In a subprocess: a Gluon compile error can abort the process (seen with triton 3.6)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
-    run = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(config)], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    opcode counts, from the child process (started on first use, started again after a build killed it)."""
+    process = _prober.get("process")
+    if process is None or process.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
+        _prober["log"] = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: warnings must not fill a buffer
+        process = _prober["process"] = subprocess.Popen([sys.executable, "-c", _PROBE], stdin=subprocess.PIPE,
+                                                        stdout=subprocess.PIPE, stderr=_prober["log"], text=True,
+                                                        env=env)
+    process.stdin.write(json.dumps(config) + "\n")
+    process.stdin.flush()
+    ready, _, _ = select.select([process.stdout], [], [], 600)
+    line = process.stdout.readline() if ready else ""
+    if not line:  # died (or hung) on this build: its stderr says why; the next build starts a new child
+        process.kill()
+        process.wait()
+        _prober["log"].seek(0)
+        pytest.fail(f"the sm90 build of {config} failed:\n{_prober['log'].read()[-3000:]}")
+    return json.loads(line)
 
 
 @needs_gluon

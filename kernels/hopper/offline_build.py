@@ -114,10 +114,13 @@ def resources(kernel) -> dict:
 
 
 def sass(kernel) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    """The kernel's SASS by nvdisasm, disassembled once per compiled kernel (the counts below all read it)."""
+    if not hasattr(kernel, "_sass"):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            kernel._sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    return kernel._sass
 
 
 def opcode_counts(kernel) -> collections.Counter:
