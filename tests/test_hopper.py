@@ -88,8 +88,10 @@ def offline_report(config: dict) -> dict:
                                                         env=env)
     process.stdin.write(json.dumps(config) + "\n")
     process.stdin.flush()
-    ready, _, _ = select.select([process.stdout], [], [], 600)
-    line = process.stdout.readline() if ready else ""
+    line = "print"
+    while line and not line.startswith("{"):  # the report is one JSON line; anything else the build printed is skipped
+        ready, _, _ = select.select([process.stdout], [], [], 600)
+        line = process.stdout.readline() if ready else ""
     if not line:  # died (or hung) on this build: its stderr says why; the next build starts a new child
         process.kill()
         process.wait()
