@@ -121,13 +121,14 @@ def test_outputs_are_fully_written(seed):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
-@pytest.mark.parametrize("shape", [dict(RANGE_ROWS=48, CHUNK_ROWS=16), dict(RANGE_ROWS=16, CHUNK_ROWS=16),
-                                   dict(RANGE_ROWS=4096, CHUNK_ROWS=32)])
-def test_centers_launch_finds_each_channels_range_over_all_keys(seed, shape):
+@pytest.mark.parametrize("d,shape", [(48, dict(RANGE_ROWS=48, CHUNK_ROWS=16)), (48, dict(RANGE_ROWS=16, CHUNK_ROWS=16)),
+                                     (48, dict(RANGE_ROWS=4096, CHUNK_ROWS=32)), (48, {}), (100, {}), (200, {})])
+def test_centers_launch_finds_each_channels_range_over_all_keys(seed, d, shape):
     """V's and K's range per channel (max x, max −x) over every key, from the same launch as the centers, under
-    blocks of keys that do not divide the length (nor the chunk the block): exact, as max is. One large value of
-    each sign is planted per head at a random key, where a block or chunk that skipped rows would miss it."""
-    b, hk, n, d = 2, 3, 203, 48
+    blocks of keys that do not divide the length (nor the chunk the block), and under the shipped shape of each
+    padded head dim ({}: kernels.json's, at 64 / 128 / 256): exact, as max is. One large value of each sign is
+    planted per head at a random key, where a block or chunk that skipped rows would miss it."""
+    b, hk, n = 2, 3, 203 if shape else 531
     q = torch.randn(b, 2 * hk, n, d, device=DEVICE, dtype=torch.bfloat16)
     k, v = (torch.randn(b, hk, n, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     for x in (k, v):
