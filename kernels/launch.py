@@ -40,10 +40,12 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, *
     hk, nk = k.shape[1], k.shape[2]
     d_pad = tuning.padded_head_dim(d)
     config = tuning.centers_config(d_pad)
-    unknown = sorted(overrides.keys() - config.keys())
-    if unknown:
-        raise TypeError(f"smoothing_centers: unknown keys {unknown}; kernels.json's centers keys are {sorted(config)}")
-    config = {**config, **overrides}
+    if overrides:  # a study's shapes; a call takes the table's as they are
+        unknown = sorted(overrides.keys() - config.keys())
+        if unknown:
+            raise TypeError(f"smoothing_centers: unknown keys {unknown}; kernels.json's centers keys are "
+                            f"{sorted(config)}")
+        config = {**config, **overrides}
     sample, v_sample = tuning.center_sample(), tuning.v_center_sample()
     centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
     blocks = math.ceil(nk / config["RANGE_ROWS"])

@@ -72,18 +72,22 @@ def _attention_config(arch: str, head_dim: int, causal: bool, pv: str, qk: str) 
     return config
 
 
+def _by_head_dim(name: str, d_pad: int) -> dict:
+    """kernels.json's entry ``name``: its defaults, with those of the padded head dim over them."""
+    entry = table()[name]
+    return {**entry["default"], **entry["head_dim"].get(str(d_pad), {})}
+
+
 @functools.lru_cache(maxsize=None)
 def hopper_config(head_dim: int) -> dict:
     """The sm90 Gluon kernel's settings for this head dim (``hopper`` in kernels.json); cached, read-only."""
-    entry = table()["hopper"]
-    return {**entry["default"], **entry["head_dim"].get(str(padded_head_dim(head_dim)), {})}
+    return _by_head_dim("hopper", padded_head_dim(head_dim))
 
 
 @functools.lru_cache(maxsize=None)
 def centers_config(d_pad: int) -> dict:
     """The centers launch's shape for this padded head dim (``centers`` in kernels.json); cached, read-only."""
-    entry = table()["centers"]
-    return {**entry["default"], **entry["head_dim"].get(str(d_pad), {})}
+    return _by_head_dim("centers", d_pad)
 
 
 def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, split: bool, variant: bool,

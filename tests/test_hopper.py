@@ -7,6 +7,7 @@ reference there, case by case (results in ``eval/results/check-hopper-*.md``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -74,6 +75,17 @@ for line in sys.stdin:
                       **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL")}}), flush=True)
 """
 _prober: dict = {}  # "process", "log": the child of this test process and the file its stderr goes to
+
+
+@atexit.register
+def _stop_prober():
+    """Close the child's input (it then exits) and its streams when this test process ends."""
+    if "process" in _prober:
+        process = _prober["process"]
+        process.stdin.close()
+        process.wait(timeout=60)
+        process.stdout.close()
+        _prober["log"].close()
 
 
 def offline_report(config: dict) -> dict:

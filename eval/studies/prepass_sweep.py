@@ -27,6 +27,7 @@ from hf_qattn.kernels import launch, tuning
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
 from timing import bench_graph_ms  # noqa: E402
+from hopper_switch_ab import use  # noqa: E402  (eval/studies/: the tuned hopper settings with overrides)
 
 PREPASS_SHAPES = [  # label, B, Hq, Hk, N, d
     ("8k H32 d256", 1, 32, 32, 8192, 256), ("8k H32 d128", 1, 32, 32, 8192, 128),
@@ -108,8 +109,7 @@ def pass_warps():
 
 def calls(label, overrides):
     if overrides:
-        tuned = tuning.hopper_config
-        tuning.hopper_config = lambda head_dim: {**tuned(head_dim), **overrides}
+        use(overrides)
     outputs = {}
     for name, b, hq, hk, n, d, causal, keywords in CALLS:
         q, k, v = qkv(b, hq, hk, n, d, seed=n * 7 + d + hq)
