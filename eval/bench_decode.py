@@ -16,8 +16,8 @@ cached tokens L ∈ {1k, 4k, 16k, 64k, 128k}, one query token:
 Times are medians of CUDA-event-timed batches of calls after warm-up; GB/s is the cache bytes
 each reads (scales included) over its time.
 
-``--sweep`` adds a table of decode launch configurations (BLOCK_N, num_warps, num_stages, waves of
-programs per SM for the split count) at B8 L16k and L64k, INT8 and INT4 K, and names the fastest
+``--sweep`` adds a table of decode launch configurations (BLOCK_N, num_warps, num_stages, waves:
+rounds of the programs the SMs hold at once that the split count fills) at B8 L16k and L64k, INT8 and INT4 K, and names the fastest
 per precision, to pick the defaults (the ``decode`` section of configs/kernels.json) from one GPU run.
 
 Generate level — a Llama-3-8B-shaped model of 8 layers (random bf16 weights), prompt 4k and 16k,
@@ -299,8 +299,10 @@ def sweep_rows(args, device, dtype):
                 if precision != "int8" and kwargs.get("block_n", 64) != 64:
                     continue  # grouped formats are read a 64-token group a tile
                 try:
+                    options = decode_launch.kernel_options(precision, d, False, num_warps=kwargs.get("num_warps"),
+                                                           num_stages=kwargs.get("num_stages"))
                     cfg = decode_launch.plan_launch(b, hk, hq // hk, nq, n, q.device, block_n=kwargs.get("block_n"),
-                                                    waves=kwargs.get("waves"))
+                                                    waves=kwargs.get("waves"), options=options)
                     row["splits"] = cfg["num_splits"]
 
                     def run():
@@ -709,7 +711,7 @@ def main(argv=None) -> int:
     if srows:
         lines += [f"## Decode launch configurations: B{args.sweep_batch}, Hq {args.heads} / Hk {args.kv_heads}, "
                   f"d{args.head_dim}, q_len {args.q_len}", "",
-                  "config: BLOCK_N, num_warps, num_stages, waves (programs per SM aimed at by the split count); "
+                  "config: BLOCK_N, num_warps, num_stages, waves (rounds of resident programs the split count fills); "
                   "default: the launcher's choice (the decode section of configs/kernels.json).", ""]
         lines += sweep_table(srows) + [""]
     if grows:

@@ -86,8 +86,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 # BLOCK_N, num_warps: the key tile and warps, fastest in the launch sweep
 #   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23.md).
 # MAX_ROWS: rows of a tile at most (query heads of a KV group × query tokens); more query tokens make more chunks.
-# WAVES: programs an SM the split count aims at, to keep the cache in flight
-#   (decode-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23-waves.log).
+# WAVES: rounds of the programs the SMs hold at once (``resident_programs``) that the split count fills, whole: a
+#   launch of 2.06 rounds runs a third round for 6 % of its programs (B8 Hk8: 17 splits, 1,088 programs of 4 an
+#   SM; 892.6 µs a step at 128k against 736.1 with 8 splits, one round; H200, decode-splits-*-2026-11-28.md).
 # MIN_SPLIT_TILES: key tiles a split reads at least (unless fewer fill the SMs): a short split is mostly merge work.
 # MAX_SPLITS: the last split program merges splits one by one, a tail that grows with them
 #   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md).
@@ -108,17 +109,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, interp: bool, block_n: int,
+def resident_programs(maxnreg: int, num_warps: int) -> int:
+    """Decode programs an SM holds at once: its 65,536 registers over a program's (the cap a thread, or 255 with
+    none, times its threads). Registers bind first: at head dim ≤ 128 the SM's shared memory holds as many
+    programs (Triton's 3 stages of a 64-key INT8 K and V tile: 48 KB a program)."""
+    return max(1, 65536 // ((maxnreg or 255) * 32 * num_warps))
+
+
+def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, resident: int, interp: bool, block_n: int,
           num_splits: int | None, waves: float | None) -> tuple:
-    """(block_m, qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs."""
-    block_m, qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, interp,
+    """(block_m, qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs holding
+    ``resident`` programs each."""
+    block_m, qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, resident, interp,
                                                  block_n, num_splits, waves)
     return block_m, qt, chunks, _cdiv(max(nk, 1), split_len), split_len  # no empty trailing split
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, interp: bool, block_n: int,
-          num_splits: int | None, waves: float | None) -> tuple:
+def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, resident: int, interp: bool,
+                block_n: int, num_splits: int | None, waves: float | None) -> tuple:
     """(block_m, qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
     this is computed once per tile, not per step."""
     cfg = tuning.decode_config(interp)
@@ -130,22 +139,46 @@ def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, int
     if num_splits is None:
         programs = chunks * b * hk
         fill = _cdiv(sms, programs)  # splits for one program per SM
-        want = _cdiv(int(sms * (cfg["WAVES"] if waves is None else waves)), programs)
+        # as many splits as whole rounds of resident programs hold: one more program would start a round alone
+        want = max(1, int(sms * resident * (cfg["WAVES"] if waves is None else waves)) // programs)
         num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cfg["MAX_SPLITS"]))
     num_splits = max(1, min(num_splits, tiles))
     return block_m, qt, chunks, _cdiv(tiles, num_splits) * block_n
 
 
+def kernel_options(precision: str, head_dim: int, interpreting: bool, *, num_warps: int | None = None,
+                   num_stages: int | None = None, maxnreg: int | None = None) -> dict:
+    """The decode kernel's launch options for a cache of ``precision`` ("int8", "int4" or "int8g"): warps, stages
+    where set, the register cap where there is one (kernels.json's ``decode`` fills what is not given)."""
+    settings = tuning.decode_config(interpreting)
+    grouped = precision in ("int4", "int8g")
+    d_pad = tuning.padded_head_dim(head_dim)
+    if num_stages is None and precision == "int8g" and d_pad > 128:
+        num_stages = settings["stages_int8g_wide"]
+    if maxnreg is None:
+        maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
+    options = {"num_warps": settings["num_warps"] if num_warps is None else num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    options.update(tuning.register_cap(maxnreg, interpreting))
+    return options
+
+
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, *,
                 block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
-                interpreting: bool | None = None) -> dict:
-    """Tile sizes and the split count of one decode call (``interpreting``: ``tuning.interpreting()``, if the
-    caller read it already)."""
+                options: dict | None = None, interpreting: bool | None = None) -> dict:
+    """Tile sizes and the split count of one decode call whose kernel launches with ``options``
+    (:func:`kernel_options`; left out, an INT8 cache's), and ``interpreting``: ``tuning.interpreting()``, if the
+    caller read it already."""
     interp = (tuning.interpreting() if interpreting is None else interpreting) or device.type != "cuda"
     sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if block_n is None:
         block_n = tuning.decode_config(interp)["BLOCK_N"]
-    block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, interp, block_n, num_splits, waves)
+    if options is None:
+        options = kernel_options("int8", 128, interp)
+    resident = resident_programs(options.get("maxnreg", 0), options["num_warps"])
+    block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, resident, interp, block_n, num_splits,
+                                                   waves)
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, QT=qt, chunks=chunks, num_splits=splits, split_len=split_len)
 
 
@@ -223,8 +256,10 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         return out
     interp = tuning.interpreting()
     d_pad = tuning.padded_head_dim(d)
+    options = kernel_options(buffers.precision if grouped else "int8", d, interp or q.device.type != "cuda",
+                             num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
     cfg = plan_launch(b, hk, groups, nq, nk, q.device, block_n=block_n, num_splits=num_splits, waves=waves,
-                      interpreting=interp)
+                      options=options, interpreting=interp)
     if (sinks is not None or softcap is not None) and k_bar is None:
         raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
     if sinks is not None:
@@ -243,13 +278,6 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         part_o, part_m, part_l, counter = _workspace(q.device, b * hq * nq * splits, d_pad, cfg["chunks"] * b * hk)
     else:
         part_o = part_m = part_l = counter = None
-    settings = tuning.decode_config(interp or q.device.type != "cuda")
-    if num_stages is None and g8 and d_pad > 128:
-        num_stages = settings["stages_int8g_wide"]
-    extra = {} if num_stages is None else {"num_stages": num_stages}
-    if maxnreg is None:
-        maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
-    extra.update(tuning.register_cap(maxnreg, interp))
     score_k_bar = k_bar if (sinks is not None or softcap is not None) else None
     args = (q, kq, ks, vq, vs, kr, vr, v_bar, k_eq, v_eq, kv_start, kv_end, out, part_o, part_m, part_l, counter, length,
             score_k_bar, sinks, *q.stride(), *kq.stride()[:3], *vs.stride()[:2], *(ks.stride()[:3] if grouped else (0, 0, 0)),
@@ -261,7 +289,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         INT4=int4, G8=g8, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
-        num_warps=settings["num_warps"] if num_warps is None else num_warps, **extra,
+        **options,
     )
     grid = (cfg["chunks"], b * hk, splits)
     if launches is None:

@@ -205,26 +205,36 @@ def test_split_merge_propagates_non_finite_query(seed):
     assert torch.isfinite(out[0, 1]).all() and torch.isfinite(out[0, 0, 0]).all()
 
 
+@pytest.mark.parametrize("resident", [4, 3, 2])
 @pytest.mark.parametrize("b,hk,nq,nk", [(1, 8, 1, 1024), (8, 8, 1, 1024), (8, 8, 1, 65536), (1, 8, 1, 131072),
-                                        (64, 8, 1, 4096), (1, 1, 1, 17), (4, 8, 16, 8191), (1, 1, 1, 131072)])
-def test_split_count_fills_the_gpu_without_overshooting(b, hk, nq, nk):
-    """The split heuristic on a 132-SM GPU: one split when B·Hk fills it, else enough splits for
-    about WAVES programs per SM, never more splits than key tiles, none empty."""
+                                        (64, 8, 1, 4096), (1, 1, 1, 17), (4, 8, 16, 8191), (1, 1, 1, 131072),
+                                        (2, 8, 1, 16384), (4, 8, 1, 65536), (16, 8, 1, 32768), (48, 8, 1, 8192)])
+def test_split_count_fills_whole_rounds_of_resident_programs(b, hk, nq, nk, resident):
+    """The split heuristic on a 132-SM GPU holding ``resident`` programs an SM: one split when B·Hk fills a round,
+    else as many as whole rounds (WAVES) hold — never a round started by a few programs alone — and at least one
+    program an SM where the keys allow; never more splits than key tiles, none empty."""
     sms, block_n = 132, 64
     cfg = tuning.decode_config(False)
-    _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, False, block_n, None, None)
+    _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, resident, False, block_n, None,
+                                                           None)
     tiles = -(-nk // block_n)
     programs = chunks * b * hk
+    slots = cfg["WAVES"] * sms * resident
     assert 1 <= splits <= tiles and split_len % block_n == 0
     assert (splits - 1) * split_len < nk  # no empty split
-    if programs >= cfg["WAVES"] * sms:
-        assert splits == 1
-    else:
-        # about one program per SM when L allows (splits are whole tiles: rounding may leave a few idle)
-        assert programs * splits >= 0.9 * min(sms, programs * tiles)
-        assert programs * splits <= cfg["WAVES"] * sms + programs  # and not many waves more
-        # the last split program merges splits one by one: no more than MAX_SPLITS unless the GPU needs them
-        assert splits <= max(cfg["MAX_SPLITS"], -(-sms // programs))
+    assert splits == 1 or programs * splits <= slots
+    # about one program per SM when L allows (splits are whole tiles: rounding may leave a few idle)
+    assert programs * splits >= 0.9 * min(sms, programs * tiles)
+    # the last split program merges splits one by one: no more than MAX_SPLITS unless the GPU needs them
+    assert splits <= max(cfg["MAX_SPLITS"], -(-sms // programs))
+    if (b, hk, nk, resident) == (8, 8, 65536, 4):  # H200 B8 INT8 64k: 8 splits one round, 17 ran three (see _plan)
+        assert splits == 8
+
+
+def test_resident_programs_follow_the_register_cap():
+    """The split plan's programs an SM: 65,536 registers over (cap × threads); no cap counts 255 a thread."""
+    assert [decode_launch.resident_programs(cap, 4) for cap in (128, 168, 0)] == [4, 3, 2]
+    assert decode_launch.resident_programs(128, 8) == 2
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])

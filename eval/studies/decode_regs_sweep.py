@@ -6,7 +6,8 @@
 Nsight Compute (eval/results/ncu/ncu-decode-*.txt) shows the kernel at 144 registers a thread, so 3
 programs of 4 warps an SM (18.75 % occupancy) and 64 % (INT8) / 38 % (INT4) of DRAM bandwidth at L64k:
 too few bytes in flight. ``maxnreg`` caps the registers (spills, if any, are printed) so more programs
-fit an SM (0: no cap). Prints µs a step per configuration, with the compiled kernel's registers and spills.
+fit an SM (0: no cap); waves: rounds of those programs the split count fills. Prints µs a step per
+configuration, with the compiled kernel's registers and spills.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main(precisions: str = "int8,int4", caps: str = "0,128,104,88") -> None:
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         for precision in precisions.split(","):
             buf, _, v_bar, _ = fill_cache(k, v, precision, "cuda")
-            for stages, maxnreg, waves in itertools.product((2, 3), [int(c) for c in caps.split(",")], (8, 16)):
+            for stages, maxnreg, waves in itertools.product((2, 3), [int(c) for c in caps.split(",")], (1, 2)):
                 def run():
                     decode_launch.decode(q, buf, v_bar, n, num_stages=stages, maxnreg=maxnreg, waves=waves)
                 try:
