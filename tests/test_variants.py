@@ -69,11 +69,13 @@ def rel_l1(out, want):
     return float((out.double() - want).abs().mean() / want.abs().mean())
 
 
-def sinks_for(q, k, v, sm_scale=None):
-    """Sinks that matter: around each head's median log-sum-exp of the keys (in a model they are learned to
-    take a real share of the weight), ± a few units — from a sink that takes most of a row to one that
-    takes little."""
-    _, lse = exact(q, k, v, sm_scale=sm_scale or q.shape[-1] ** -0.5)
+def sinks_for(q, k, v, sm_scale=None, **rules):
+    """Sinks that matter: around each head's median log-sum-exp of the keys under the call's other ``rules``
+    (window, chunk, soft-cap: a cap of 2 holds the lse near log n, where the uncapped one of these offset inputs
+    can pass 25 and a sink there takes all but e⁻²³ of every row, leaving outputs below fp16's smallest value) —
+    in a model they are learned to take a real share of the weight — ± a few units: from a sink that takes most
+    of a row to one that takes little."""
+    _, lse = exact(q, k, v, sm_scale=sm_scale or q.shape[-1] ** -0.5, **rules)
     lse = lse.masked_fill(~torch.isfinite(lse), float("nan"))
     return (lse.transpose(0, 1).flatten(1).nanmedian(dim=1).values + 2.0 * torch.randn(q.shape[1], device=lse.device)).float()
 
@@ -94,7 +96,7 @@ VARIANTS = {
 def options(name, q, k, v, sm_scale=None):
     kw = dict(VARIANTS[name])
     if kw.get("sinks"):
-        kw["sinks"] = sinks_for(q, k, v, sm_scale)
+        kw["sinks"] = sinks_for(q, k, v, sm_scale, **{key: value for key, value in kw.items() if key != "sinks"})
     return kw
 
 
@@ -229,7 +231,7 @@ def test_kernel_sinks_rescale_output_and_lse(seed):
     """With sinks the denominator grows from e^lse to e^lse + e^sink: lse_sinks = logaddexp(lse, sink) and
     out_sinks = out · e^(lse − lse_sinks) — v̄ included (a v̄ added with weight 1 fails this)."""
     q, k, v = offset_qkv(2, 4, 2, 50, 60, 32, torch.float32)
-    sinks = sinks_for(q, k, v)
+    sinks = sinks_for(q, k, v, window=27)
     out, lse = hf_qattn.qattn(q, k, v, is_causal=True, return_lse=True, backend="triton", window=27)
     out_s, lse_s = hf_qattn.qattn(q, k, v, is_causal=True, return_lse=True, backend="triton", window=27, sinks=sinks)
     torch.testing.assert_close(lse_s, torch.logaddexp(lse, sinks.view(1, 4, 1)), atol=1e-5, rtol=1e-6)
@@ -288,7 +290,7 @@ def test_kernel_mutants_fail_the_check(seed, tmp_path, monkeypatch, variants, mu
     from hf_qattn.kernels import launch
 
     q, k, v = offset_qkv(1, 2, 2, 40, 56, 32, torch.float16)
-    kw = dict(softcap=dict(softcap=3.0, window=21), sinks=dict(sinks=sinks_for(q, k, v), window=21),
+    kw = dict(softcap=dict(softcap=3.0, window=21), sinks=dict(sinks=sinks_for(q, k, v, window=21), window=21),
               window=dict(window=21), chunk=dict(chunk=23))[variants]
     out, lse, ref, ref_lse = kernel_and_reference(q, k, v, **kw)
     assert mismatch(out, ref, lse, ref_lse) is None
