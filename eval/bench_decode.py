@@ -17,8 +17,9 @@ Times are medians of CUDA-event-timed batches of calls after warm-up; GB/s is th
 each reads (scales included) over its time.
 
 ``--sweep`` adds a table of decode launch configurations (BLOCK_N, num_warps, num_stages, waves:
-rounds of the programs the SMs hold at once that the split count fills) at B8 L16k and L64k, INT8 and INT4 K, and names the fastest
-per precision, to pick the defaults (the ``decode`` section of configs/kernels.json) from one GPU run.
+rounds of the programs the SMs hold at once that the split count fills) at B8 L16k and L64k, INT8 and
+INT4 K, and names the fastest per precision, to pick the defaults (the ``decode`` section of
+configs/kernels.json) from one GPU run.
 
 Generate level — a Llama-3-8B-shaped model of 8 layers (random bf16 weights), prompt 4k and 16k,
 256 new tokens, greedy, batch 1: prefill timed alone, then each decode step (one token through
@@ -301,8 +302,8 @@ def sweep_rows(args, device, dtype):
                 try:
                     options = decode_launch.kernel_options(precision, d, False, num_warps=kwargs.get("num_warps"),
                                                            num_stages=kwargs.get("num_stages"))
-                    cfg = decode_launch.plan_launch(b, hk, hq // hk, nq, n, q.device, block_n=kwargs.get("block_n"),
-                                                    waves=kwargs.get("waves"), options=options)
+                    cfg = decode_launch.plan_launch(b, hk, hq // hk, nq, n, q.device, options,
+                                                    block_n=kwargs.get("block_n"), waves=kwargs.get("waves"))
                     row["splits"] = cfg["num_splits"]
 
                     def run():

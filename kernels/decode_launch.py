@@ -164,18 +164,16 @@ def kernel_options(precision: str, head_dim: int, interpreting: bool, *, num_war
     return options
 
 
-def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, *,
+def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, options: dict, *,
                 block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
-                options: dict | None = None, interpreting: bool | None = None) -> dict:
+                interpreting: bool | None = None) -> dict:
     """Tile sizes and the split count of one decode call whose kernel launches with ``options``
-    (:func:`kernel_options`; left out, an INT8 cache's), and ``interpreting``: ``tuning.interpreting()``, if the
-    caller read it already."""
+    (:func:`kernel_options`: its warps and register cap set how many programs an SM holds); ``interpreting``:
+    ``tuning.interpreting()``, if the caller read it already."""
     interp = (tuning.interpreting() if interpreting is None else interpreting) or device.type != "cuda"
     sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if block_n is None:
         block_n = tuning.decode_config(interp)["BLOCK_N"]
-    if options is None:
-        options = kernel_options("int8", 128, interp)
     resident = resident_programs(options.get("maxnreg", 0), options["num_warps"])
     block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, resident, interp, block_n, num_splits,
                                                    waves)
@@ -256,10 +254,10 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         return out
     interp = tuning.interpreting()
     d_pad = tuning.padded_head_dim(d)
-    options = kernel_options(buffers.precision if grouped else "int8", d, interp or q.device.type != "cuda",
-                             num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-    cfg = plan_launch(b, hk, groups, nq, nk, q.device, block_n=block_n, num_splits=num_splits, waves=waves,
-                      options=options, interpreting=interp)
+    options = kernel_options(buffers.precision, d, interp or q.device.type != "cuda", num_warps=num_warps,
+                             num_stages=num_stages, maxnreg=maxnreg)
+    cfg = plan_launch(b, hk, groups, nq, nk, q.device, options, block_n=block_n, num_splits=num_splits, waves=waves,
+                      interpreting=interp)
     if (sinks is not None or softcap is not None) and k_bar is None:
         raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
     if sinks is not None:
