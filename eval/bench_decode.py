@@ -300,10 +300,7 @@ def sweep_rows(args, device, dtype):
                 if precision != "int8" and kwargs.get("block_n", 64) != 64:
                     continue  # grouped formats are read a 64-token group a tile
                 try:
-                    options = decode_launch.kernel_options(precision, d, False, num_warps=kwargs.get("num_warps"),
-                                                           num_stages=kwargs.get("num_stages"))
-                    cfg = decode_launch.plan_launch(b, hk, hq // hk, nq, n, q.device, options,
-                                                    block_n=kwargs.get("block_n"), waves=kwargs.get("waves"))
+                    _, cfg = decode_launch.plan_decode(precision, q.shape, hk, n, q.device, **kwargs)
                     row["splits"] = cfg["num_splits"]
 
                     def run():

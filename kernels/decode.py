@@ -26,7 +26,8 @@ last token arrives (until then the group's tokens wait in ``kr`` / ``vr``).
 The tile's rows are all query heads of one KV group times QT query tokens (GQA packing: the
 group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens:
 
-    S = (q̂ · K̂ᵀ) · δK · max|q ⊙ σ_K| · …      INT8: q̂ = q ⊙ σ_K over its row's max, fp16, K̂ exact in fp16
+    S = (q̂ · K̂ᵀ) · δK · max|q ⊙ σ_K| · …      INT8: q̂ = q ⊙ σ_K over its row's max, as two INT8 parts (two INT8
+                                               dots with K̂ as stored, exact in int32)
     S = ((q ⊙ scale) · uᵀ + q · zero) · …     INT4: one group a tile, its scales folded into q (bf16)
     S = ((q̂ ⊙ scale) · (u − φ)ᵀ + q̂ · zero) · max|q|   G8: the same at 8 bits, q̂ = q / max|q| per row and q̂ ⊙ scale
                                                in fp16, one dot; φ the group's row dither (formats.KV_GROUP_DITHERED)
@@ -268,38 +269,44 @@ def _dot_t(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _fp16_1024_plus(u):
+def _fp16_1024_plus(u, STAGED: tl.constexpr):
     """1024 + u in fp16 for u ∈ [0, 255] (exact) without a conversion instruction: the bits 0x6400 | u, one byte
     permute (``prmt``) for two values; Triton's own int16 or + bitcast takes three instructions a pair (10 % of a G8
-    tile's instructions: eval/results/int8g-decode-variants-*.md)."""
+    tile's instructions: eval/results/int8g-decode-variants-*.md).
+    STAGED (V, the B operand of P · V, whose mma registers pair two keys of one channel): declared impure, so that
+    Triton converts the tile as loaded (rows, 16-byte shared loads), stages it in fp16 and reads it back
+    transposed (``ldmatrix.trans``). A pure conversion it moves behind the dot's layout change, which then gathers
+    the 8-bit tile a byte at a time (64 one-byte shared loads a thread a 64-key d128 tile at 4 warps); staging takes
+    a tile of fp16 more shared memory (decode_launch.SHARED)."""
     return tl.inline_asm_elementwise("prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;",
-                                     "=r,=r,r", [u], dtype=tl.float16, is_pure=True, pack=4)
+                                     "=r,=r,r", [u], dtype=tl.float16, is_pure=not STAGED, pack=4)
 
 
 @triton.jit
-def _fp16_1152_plus(x):
+def _fp16_1152_plus(x, STAGED: tl.constexpr):
     """1152 + x in fp16 for int8 x (exact): x + 128 is x with its top bit flipped (one ``xor`` for four values), then
-    as :func:`_fp16_1024_plus`. ``cvt`` from int8 to fp16 runs on the quarter-rate unit that the softmax's exp2
-    also needs (128 of them a thread a tile at d128, K and V: 14 % slower decode steps, H200)."""
+    as :func:`_fp16_1024_plus` (and STAGED as there). ``cvt`` from int8 to fp16 runs on the quarter-rate unit that
+    the softmax's exp2 also needs (14 % slower decode steps, H200)."""
     return tl.inline_asm_elementwise("{.reg .b32 t; xor.b32 t, $2, 0x80808080; prmt.b32 $0, t, 0x64646464, 0x4140; "
                                      "prmt.b32 $1, t, 0x64646464, 0x4342;}",
-                                     "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+                                     "=r,=r,r", [x], dtype=tl.float16, is_pure=not STAGED, pack=4)
 
 
 @triton.jit
-def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                  s_base, v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
                  ring_lo, ring_count,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
                  G8: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, INTERPRET: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr,
-                 MASK_N: tl.constexpr, RECENT: tl.constexpr):
+                 V_STAGED: tl.constexpr, MASK_N: tl.constexpr, RECENT: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
     INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K (q in two halves, ``q_lo`` and ``q_hi``) / of
     8-bit K and V (q as ``q_unit`` · ``q_amax``: q over its row's largest |q|, and that), or with RECENT the
     incomplete group's tokens from ``k_recent_base`` (and G8's V from ``v_recent_base``; slot ``recent_lo`` is
-    their row 0).
+    their row 0). Per-token INT8 K: q as two INT8 parts ``q_unit`` and ``q_fine`` (decode_kernel) times ``q_amax``.
+    V_STAGED: V's tile goes through shared memory in fp16 (:func:`_fp16_1024_plus`).
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
     of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
@@ -369,7 +376,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, 
                 # (one dot: a bf16 hi + lo pair in two took 1.4× the time at B8, decode-regs-sweep-*-11-25.md in
                 # eval/results)
                 qs = q_unit * scale.to(tl.float16)[None, :]
-                qk = tl.dot(qs, tl.trans(_fp16_1024_plus(u)))
+                qk = tl.dot(qs, tl.trans(_fp16_1024_plus(u, False)))
                 offset = tl.full([BLOCK_N], 1024.0, tl.float32)
             if G8_DITHERED:  # key r's values are u − φ_r
                 offset = offset + group_dither(tl.arange(0, BLOCK_N))
@@ -380,11 +387,14 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, 
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
+        # q̂ = q_unit + q_fine / 254 (in 127ths of the row's largest |q|): two INT8 dots with K̂ as stored, no
+        # conversion of K; exact in int32 (|254 · q_unit · K̂ + q_fine · K̂| ≤ 255 · 127² · D < 2^31 for D ≤ 256)
         if INTERPRET:
-            qk = _dot_t(q_unit, k, INTERPRET)
-        else:  # K̂ as 1152 + K̂: the dot's extra 1152 · Σ q̂ is the row's q_offset
-            qk = tl.dot(q_unit, tl.trans(_fp16_1152_plus(k))) - q_offset[:, None]
-        qk = qk * q_amax[:, None]
+            qk = 254.0 * _dot_t(q_unit, k, INTERPRET) + _dot_t(q_fine, k, INTERPRET)
+        else:
+            k_t = tl.trans(k)
+            qk = tl.dot(q_fine, k_t, acc=tl.dot(q_unit, k_t, out_dtype=tl.int32) * 254, out_dtype=tl.int32)
+        qk = qk.to(tl.float32) * q_amax[:, None]
     if not G8:  # V's per-token scale
         if MASK_N:
             v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
@@ -454,7 +464,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, 
         else:
             # u as 1024 + u (_fp16_1024_plus): the dot gives P · u + 1024 · ΣP, and the zero point takes
             # 1024 · scale back out
-            pv = tl.dot(p_w, _fp16_1024_plus(u))
+            pv = tl.dot(p_w, _fp16_1024_plus(u, V_STAGED))
             zero = zero - 1024.0 * scale
         if G8_DITHERED:  # key r's values are u − φ_r: P · φ comes off before the scale
             pv = pv - p_phi[:, None]
@@ -465,7 +475,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, 
         if INTERPRET:
             pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
         else:
-            pv = tl.dot(p_w, _fp16_1152_plus(v)) - 1152.0 * p_w_sum[:, None]
+            pv = tl.dot(p_w, _fp16_1152_plus(v, V_STAGED)) - 1152.0 * p_w_sum[:, None]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
@@ -495,7 +505,7 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, G8: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     DEVICE_LEN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
-    CHUNK: tl.constexpr, RING: tl.constexpr,
+    CHUNK: tl.constexpr, RING: tl.constexpr, V_STAGED: tl.constexpr,
 ):
     GROUPED: tl.constexpr = INT4 or G8
     if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
@@ -525,22 +535,30 @@ def decode_kernel(
         q = tl.load(q_rows + c[None, :] * stride_qd, mask=row_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
         q_lo = q
         q_hi = q
-    # the 8-bit formats' q: over its row's largest |value| (q_unit; fp16 holds it to 11 bits), and that largest
-    # value (q_amax). INT8 K's q is first multiplied by K's equalizers σ_K (q · σ_K ⊙ K̂ = q · K); G8's q̂ takes the
-    # K groups' scales in its tiles (_attend_tile)
+    # the 8-bit formats' q: over its row's largest |value| (q_unit), and that largest value (q_amax). G8's q̂ takes
+    # the K groups' scales in its tiles (_attend_tile): fp16, 11 bits. INT8 K's q is first multiplied by K's
+    # equalizers σ_K (q · σ_K ⊙ K̂ = q · K), then split into two INT8 parts, the dot's own type with K̂ as stored:
+    # q̂ · 127 = q_unit + q_fine / 254, within 1/(2 · 127 · 254) of the row's max (fp16: 2^−12 of each value)
     q_amax = tl.full([BLOCK_M], 1.0, tl.float32)
     q_unit = q.to(tl.float32)
+    q_fine = q_unit
     if not GROUPED:
         q_unit = q_unit * tl.load(K_EQ + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
     if not INT4:
         q_amax = tl.max(tl.abs(q_unit), axis=1)
         q_amax = tl.where(q_amax > 0, q_amax, 1.0)
         q_unit = q_unit / q_amax[:, None]
-        if not INTERPRET:  # the dtype of the K tile's dot (_attend_tile)
+        if not GROUPED:  # (a NaN or ±Inf in q would round to some integer: it reaches the scores through q_amax)
+            q_amax = _nan_unless_finite(q_amax, q_unit, 1)
+            q127 = q_unit * 127.0
+            q_unit = round_half_even(q127)
+            q_fine = round_half_even((q127 - q_unit) * 254.0)
+            q_amax = q_amax / (127.0 * 254.0)
+            if not INTERPRET:  # (the interpreter's dots run in fp32, exact for these integers)
+                q_unit = q_unit.to(tl.int8)
+                q_fine = q_fine.to(tl.int8)
+        elif not INTERPRET:  # the dtype of G8's K tile dot (_attend_tile)
             q_unit = q_unit.to(tl.float16)
-    q_offset = tl.zeros([BLOCK_M], tl.float32)
-    if not GROUPED and not INTERPRET:  # what 1152 + K̂ adds to every score of the row (_attend_tile)
-        q_offset = 1152.0 * tl.sum(q_unit.to(tl.float32), axis=1)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
 
@@ -619,23 +637,23 @@ def decode_kernel(
     # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+            q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
             v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
             shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
-            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, False, False)
+            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, False, False)
     for start in range(hi_full, hi_packed, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
+            q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
             v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
             shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
-            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, False)
+            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, False)
     if GROUPED:
         for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                q, q_lo, q_hi, q_unit, q_amax, q_offset, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
+                q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                 s_base, v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
                 score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
-                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, True, True)
+                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True)
 
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)

@@ -91,15 +91,21 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   SM; 892.6 µs a step at 128k against 736.1 with 8 splits, one round; H200, decode-splits-*-2026-11-28.md).
 # MIN_SPLIT_TILES: key tiles a split reads at least (unless fewer fill the SMs): a short split is mostly merge work.
 # MAX_SPLITS: the last split program merges splits one by one, a tail that grows with them
-#   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md).
-# maxnreg: a register cap, so more programs share an SM without spills
-#   (decode-regs-sweep-NVIDIA-H100-80GB-HBM3-2026-11-23.md, head dim 128); not above head dim 128, where
-#   the INT4 tile of several query tokens needs more (ptxas refused d256 INT4 with 3 query tokens).
-#   maxnreg_groups: the grouped formats' tiles. INT4 K's spill at 128 (Nsight: 2.7 M local requests at B8 L64k);
-#   168 was 2–7 % faster than 128 at B8 L16k / L64k and no cap (255) slower (decode-regs-sweep-…-2026-11-25.md).
-#   int8g's (8-bit K and V groups) takes the same cap, not swept.
-# stages_int8g_wide: int8g's pipeline stages past head dim 128, where Triton 3.6 stages 128 KiB a stage at d256
-#   (3 stages: 393 KiB of shared memory, past the H100's 227 KiB; 1 stage: 96 KiB).
+#   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md); INT8's launch sets 64 for its one-warp programs (B1 128k
+#   on an H200: 108.8 µs a step with 64 splits, 142.0 with 32; decode-warps-NVIDIA-H200-2026-11-28.md).
+# launch (head dims up to WIDE_ABOVE): warps and register cap by format. An INT8 step is bound by each program's
+#   per-tile chain (cross-warp reductions and barriers), not by its bytes or instructions: reading K alone (V's
+#   loads dropped) took the same time, and 26 % fewer instructions a tile 1–2 %. So INT8 runs one warp a program
+#   (no cross-warp reductions; 255 registers, four programs an SM by shared memory): B8 64k −15 % against four
+#   warps (decode-warps-NVIDIA-H200-2026-11-28.md). INT4 and int8g keep four warps capped at 168 (INT4's tile
+#   spills at 128: decode-regs-sweep-…-2026-11-25.md; one or two INT4 warps were slower).
+# launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
+#   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
+#   H100's 227 KiB; 1 stage: 96 KiB).
+# V staged (kernels/decode.py _fp16_1024_plus): INT8 up to WIDE_ABOVE, where it was measured and its shared memory
+#   is listed. Triton 3.6 builds the staged INT4 / int8g tiles with 105–139 KB at d128 (two or one program an SM).
+# SHARED: a program's shared memory by format and padded head dim with the default launch, so that the programs an
+#   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory); not listed: registers only.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -109,25 +115,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def resident_programs(maxnreg: int, num_warps: int) -> int:
+# an sm90 SM's shared memory, and what the driver reserves of it for each resident program
+SM_SHARED_BYTES = 233472
+PROGRAM_RESERVED_SHARED = 1024
+
+
+def resident_programs(maxnreg: int, num_warps: int, shared: int = 0) -> int:
     """Decode programs an SM holds at once: its 65,536 registers over a program's (the cap a thread, or 255 with
-    none, times its threads). Registers bind first: at head dim ≤ 128 the SM's shared memory holds as many
-    programs (Triton's 3 stages of a 64-key INT8 K and V tile: 48 KB a program)."""
-    return max(1, 65536 // ((maxnreg or 255) * 32 * num_warps))
+    none, times its threads), and its shared memory over a program's ``shared`` bytes (0: not known, registers
+    only)."""
+    by_registers = 65536 // ((maxnreg or 255) * 32 * num_warps)
+    by_shared = SM_SHARED_BYTES // (shared + PROGRAM_RESERVED_SHARED) if shared else by_registers
+    return max(1, min(by_registers, by_shared))
 
 
 def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, resident: int, interp: bool, block_n: int,
-          num_splits: int | None, waves: float | None) -> tuple:
+          num_splits: int | None, waves: float | None, max_splits: int | None = None) -> tuple:
     """(block_m, qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs holding
-    ``resident`` programs each."""
+    ``resident`` programs each (``max_splits``: the format's cap, else kernels.json's MAX_SPLITS)."""
     block_m, qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, resident, interp,
-                                                 block_n, num_splits, waves)
+                                                 block_n, num_splits, waves, max_splits)
     return block_m, qt, chunks, _cdiv(max(nk, 1), split_len), split_len  # no empty trailing split
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, resident: int, interp: bool,
-                block_n: int, num_splits: int | None, waves: float | None) -> tuple:
+                block_n: int, num_splits: int | None, waves: float | None, max_splits: int | None = None) -> tuple:
     """(block_m, qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
     this is computed once per tile, not per step."""
     cfg = tuning.decode_config(interp)
@@ -141,7 +154,8 @@ def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, res
         fill = _cdiv(sms, programs)  # splits for one program per SM
         # as many splits as whole rounds of resident programs hold: one more program would start a round alone
         want = max(1, int(sms * resident * (cfg["WAVES"] if waves is None else waves)) // programs)
-        num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cfg["MAX_SPLITS"]))
+        cap = cfg["MAX_SPLITS"] if max_splits is None else max_splits
+        num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cap))
     num_splits = max(1, min(num_splits, tiles))
     return block_m, qt, chunks, _cdiv(tiles, num_splits) * block_n
 
@@ -150,34 +164,69 @@ def kernel_options(precision: str, head_dim: int, interpreting: bool, *, num_war
                    num_stages: int | None = None, maxnreg: int | None = None) -> dict:
     """The decode kernel's launch options for a cache of ``precision`` ("int8", "int4" or "int8g"): warps, stages
     where set, the register cap where there is one (kernels.json's ``decode`` fills what is not given)."""
-    settings = tuning.decode_config(interpreting)
-    grouped = precision in ("int4", "int8g")
-    d_pad = tuning.padded_head_dim(head_dim)
-    if num_stages is None and precision == "int8g" and d_pad > 128:
-        num_stages = settings["stages_int8g_wide"]
-    if maxnreg is None:
-        maxnreg = settings["maxnreg_groups" if grouped else "maxnreg"] if d_pad <= 128 else 0
-    options = {"num_warps": settings["num_warps"] if num_warps is None else num_warps}
+    launch = _default_launch(precision, tuning.padded_head_dim(head_dim), interpreting)  # (its MAX_SPLITS: the plan's)
+    if num_stages is None:
+        num_stages = launch.get("num_stages")
+    options = {"num_warps": launch["num_warps"] if num_warps is None else num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    options.update(tuning.register_cap(maxnreg, interpreting))
+    options.update(tuning.register_cap(launch["maxnreg"] if maxnreg is None else maxnreg, interpreting))
     return options
+
+
+def _default_launch(precision: str, d_pad: int, interpreting: bool) -> dict:
+    settings = tuning.decode_config(interpreting)
+    return settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
+
+
+def v_staged(precision: str, d_pad: int, interpreting: bool) -> bool:
+    """Whether the kernel stages V's tile in fp16 in shared memory (INT8, up to head dim WIDE_ABOVE)."""
+    return precision == "int8" and d_pad <= tuning.decode_config(interpreting)["WIDE_ABOVE"]
+
+
+def default_shared_bytes(precision: str, head_dim: int, interpreting: bool) -> int:
+    """A program's shared memory with the default launch of ``precision`` at ``head_dim`` (kernels.json's ``SHARED``,
+    Triton's sm90 build), or 0 where not listed."""
+    d_pad = tuning.padded_head_dim(head_dim)
+    return tuning.decode_config(interpreting).get("SHARED", {}).get(precision, {}).get(str(d_pad), 0)
 
 
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, options: dict, *,
                 block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
-                interpreting: bool | None = None) -> dict:
+                interpreting: bool | None = None, shared: int = 0, max_splits: int | None = None) -> dict:
     """Tile sizes and the split count of one decode call whose kernel launches with ``options``
-    (:func:`kernel_options`: its warps and register cap set how many programs an SM holds); ``interpreting``:
-    ``tuning.interpreting()``, if the caller read it already."""
+    (:func:`kernel_options`: its warps and register cap, and its ``shared`` bytes where known
+    (:func:`default_shared_bytes`), set how many programs an SM holds); ``interpreting``:
+    ``tuning.interpreting()``, if the caller read it already; ``max_splits``: the format's cap on splits, if any."""
     interp = (tuning.interpreting() if interpreting is None else interpreting) or device.type != "cuda"
     sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if block_n is None:
         block_n = tuning.decode_config(interp)["BLOCK_N"]
-    resident = resident_programs(options.get("maxnreg", 0), options["num_warps"])
+    resident = resident_programs(options.get("maxnreg", 0), options["num_warps"], shared)
     block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, resident, interp, block_n, num_splits,
-                                                   waves)
+                                                   waves, max_splits)
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, QT=qt, chunks=chunks, num_splits=splits, split_len=split_len)
+
+
+def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.device, *,
+                block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
+                interpreting: bool | None = None) -> tuple[dict, dict]:
+    """(launch options, plan) of a decode call of queries ``q_shape`` (B, Hq, Nq, D) over ``nk`` keys of a cache of
+    ``precision`` with ``hk`` kv heads: what :func:`decode` launches, for callers that report it."""
+    b, hq, nq, d = q_shape
+    interp = tuning.interpreting() if interpreting is None else interpreting
+    on_cpu = interp or device.type != "cuda"
+    options = kernel_options(precision, d, on_cpu, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    # the launch kernels.json sets is the one whose programs' shared memory it lists
+    default_launch = num_warps is None and num_stages is None and maxnreg is None and block_n is None
+    shared = default_shared_bytes(precision, d, on_cpu) if default_launch else 0
+    if precision in ("int4", "int8g"):
+        block_n = GROUP  # a group a tile
+    plan = plan_launch(b, hk, hq // hk, nq, nk, device, options, block_n=block_n, num_splits=num_splits,
+                       waves=waves, interpreting=interp, shared=shared,
+                       max_splits=_default_launch(precision, tuning.padded_head_dim(d), on_cpu).get("MAX_SPLITS"))
+    return options, plan
 
 
 # Scratch of the split path, kept per device and grown as needed (no allocation per decode step):
@@ -244,7 +293,6 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         if ring is not None:
             raise ValueError(f"{buffers.precision} storage is not kept in rings (sliding-window / chunked cache layers "
                              "keep INT8)")
-        block_n = GROUP
     groups = hq // hk
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
@@ -254,10 +302,9 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         return out
     interp = tuning.interpreting()
     d_pad = tuning.padded_head_dim(d)
-    options = kernel_options(buffers.precision, d, interp or q.device.type != "cuda", num_warps=num_warps,
-                             num_stages=num_stages, maxnreg=maxnreg)
-    cfg = plan_launch(b, hk, groups, nq, nk, q.device, options, block_n=block_n, num_splits=num_splits, waves=waves,
-                      interpreting=interp)
+    options, cfg = plan_decode(buffers.precision, q.shape, hk, nk, q.device, block_n=block_n, num_splits=num_splits,
+                               waves=waves, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
+                               interpreting=interp)
     if (sinks is not None or softcap is not None) and k_bar is None:
         raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
     if sinks is not None:
@@ -287,7 +334,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         INT4=int4, G8=g8, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
-        **options,
+        V_STAGED=v_staged(buffers.precision, d_pad, interp or q.device.type != "cuda"), **options,
     )
     grid = (cfg["chunks"], b * hk, splits)
     if launches is None:

@@ -231,10 +231,47 @@ def test_split_count_fills_whole_rounds_of_resident_programs(b, hk, nq, nk, resi
         assert splits == 8
 
 
-def test_resident_programs_follow_the_register_cap():
-    """The split plan's programs an SM: 65,536 registers over (cap × threads); no cap counts 255 a thread."""
+def test_resident_programs_follow_registers_and_shared_memory():
+    """The split plan's programs an SM: 65,536 registers over (cap × threads), no cap counting 255 a thread, and the
+    SM's shared memory over a program's (plus the driver's 1 KB), where known."""
     assert [decode_launch.resident_programs(cap, 4) for cap in (128, 168, 0)] == [4, 3, 2]
     assert decode_launch.resident_programs(128, 8) == 2
+    assert decode_launch.resident_programs(0, 1) == 8
+    assert decode_launch.resident_programs(0, 1, 54272) == 4  # one-warp INT8 d128: shared memory binds
+    assert decode_launch.resident_programs(0, 2, 71680) == 3  # two-warp int8g d128
+    assert decode_launch.resident_programs(168, 4, 37376) == 3  # registers bind
+
+
+# Triton 3.6 builds the d128 INT4 and int8g decode tiles with 89 / 139.5 KB of shared memory (H200, 2026-11-28): 2 / 1
+# programs an SM where the plan counts 3 by registers; a plan with their true count is not measured yet
+_SHARED_UNCOUNTED = pytest.mark.xfail(strict=True, reason="shared memory of the d128 INT4 / int8g tile not counted")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled GPU kernel")
+@pytest.mark.parametrize("precision,d", [("int8", 64), ("int8", 128), ("int4", 64), ("int8g", 64),
+                                         pytest.param("int4", 128, marks=_SHARED_UNCOUNTED),
+                                         pytest.param("int8g", 128, marks=_SHARED_UNCOUNTED)])
+def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d):
+    """The programs an SM holds by the compiled decode kernel's own registers and shared memory are the ones the
+    split plan counts from kernels.json (``launch``, ``SHARED``): a Triton that builds the kernel larger would
+    leave the plan's last round short of room."""
+    from hf_qattn.kernels import fast_launch
+
+    if not fast_launch.enabled():
+        pytest.skip("the compiled kernel is read from the fast launcher's memo")
+    k, v = outlier_kv(2, 2, 4096, d)
+    st = fill(k, v, precision)
+    q = torch.randn(2, 8, 1, d, device=DEVICE, dtype=torch.bfloat16)
+    memo = {}
+    decode_launch.decode(q, st["buf"], st["v_bar"], 4096, launches=memo)
+    options, plan = decode_launch.plan_decode(precision, q.shape, 2, 4096, q.device)
+    assert plan["num_splits"] > 1
+    (kernel, *_), = memo.values()
+    regs = -(-kernel.n_regs // 8) * 8  # registers are given out in eights a thread
+    held = decode_launch.resident_programs(regs, kernel.metadata.num_warps, kernel.metadata.shared)
+    listed = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
+                                             decode_launch.default_shared_bytes(precision, d, False))
+    assert held == listed, (kernel.n_regs, kernel.metadata.shared)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
@@ -364,7 +401,7 @@ MUTATIONS = {
     "V's equalizers dropped": ("v_eq = tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)",
                                "v_eq = 1.0 + 0.0 * tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)"),
     "per-token V's 127 dropped": ("(p * (v_scale * 127.0)[None, :])", "(p * v_scale[None, :])"),
-    "per-token K's fp16 offset wrong (GPU)": ("q_offset = 1152.0 * tl.sum", "q_offset = 1100.0 * tl.sum"),
+    "per-token K: q's two parts joined wrong (GPU)": ("k_t, out_dtype=tl.int32) * 254,", "k_t, out_dtype=tl.int32),"),
     "per-token V's fp16 offset wrong (GPU)": ("- 1152.0 * p_w_sum[:, None]", "- 1100.0 * p_w_sum[:, None]"),
 }
 

@@ -41,8 +41,7 @@ def main():
         for precision in ("int8", "int4"):
             buf, _, v_bar, nbytes = fill_cache(k, v, precision, "cuda")
             out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-            options = decode_launch.kernel_options(precision, d, False)
-            planned = decode_launch.plan_launch(b, hk, hq // hk, 1, n, q.device, options)["num_splits"]
+            planned = decode_launch.plan_decode(precision, q.shape, hk, n, q.device)[1]["num_splits"]
             mine = decode_launch.decode(q, buf, v_bar, n).float()
             counts = [int(s) for s in (args.splits if b == 8 else args.splits_b1).split(",")]
             times = {}

@@ -1,0 +1,56 @@
+"""The decode kernel's launch by warps, stages, tile and split count: µs a step and GB/s of the cache read.
+
+    OPTS='{};{"num_warps": 1, "num_stages": 3, "maxnreg": 255, "num_splits": 8}' B=8 D=128 LENS=16384,65536 \\
+        python3 eval/studies/decode_warps.py TAG [PRECISION]
+
+One line per (length, options): the installed decode kernel over a cache of PRECISION (default int8), Hq32/Hk8,
+batch B, head dim D, one query token; ``OPTS``: ``decode_launch.decode`` keywords, ';'-separated (``{}`` is the
+default launch); CUDA events, median of 7 × 20 calls; ``err``: the largest difference to the default launch's
+output (split counts move the merge's rounding only). TAG ``base`` also times SDPA on the bf16 cache. For an A/B of
+kernel variants, copy each over the installed ``hf_qattn/kernels/decode.py`` between runs (a fresh process).
+Results: eval/results/decode-warps-NVIDIA-H200-2026-11-28.md.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from timing import events_ms  # noqa: E402
+
+from hf_qattn.kernels import decode_launch  # noqa: E402
+from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
+
+
+def main(tag: str, precision: str = "int8") -> None:
+    b, hq, hk, d = int(os.environ.get("B", 8)), 32, 8, int(os.environ.get("D", 128))
+    all_opts = [json.loads(o) for o in os.environ.get("OPTS", "{}").split(";")]
+    torch.manual_seed(0)
+    for n in map(int, os.environ.get("LENS", "16384,65536").split(",")):
+        k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k_bar, v_bar = kv_reference.centers(k, v)
+        buf = kv_reference.allocate(b, hk, n, d, precision, "cuda", k.dtype)
+        kv_reference.set_equalizers(buf, k, v, k_bar, v_bar)
+        decode_launch.append(k, v, k_bar, v_bar, buf, 0)
+        nbytes = sum(t.numel() * t.element_size() for t in (buf.kq, buf.ks, buf.vq, buf.vs))
+        default = decode_launch.decode(q, buf, v_bar, n)
+        for opts in all_opts:
+            err = (decode_launch.decode(q, buf, v_bar, n, **opts).float() - default.float()).abs().max().item()
+            ms = events_ms(lambda: decode_launch.decode(q, buf, v_bar, n, **opts), calls=20, repeats=7)
+            sdpa = ""
+            if tag == "base":
+                sd = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                               calls=20, repeats=7)
+                sdpa = f" SDPA {sd * 1e3:.1f} µs"
+            print(f"| {tag} B{b} d{d} {opts} | {precision} | {n} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
+                  f"{err:.1e} |{sdpa}", flush=True)
+        del k, v, buf
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
