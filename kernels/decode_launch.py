@@ -91,21 +91,24 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   SM; 892.6 µs a step at 128k against 736.1 with 8 splits, one round; H200, decode-splits-*-2026-11-28.md).
 # MIN_SPLIT_TILES: key tiles a split reads at least (unless fewer fill the SMs): a short split is mostly merge work.
 # MAX_SPLITS: the last split program merges splits one by one, a tail that grows with them
-#   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md); INT8's launch sets 64 for its one-warp programs (B1 128k
-#   on an H200: 108.8 µs a step with 64 splits, 142.0 with 32; decode-warps-NVIDIA-H200-2026-11-28.md).
+#   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md); INT8's and int8g's launches set 64 for their one- and
+#   two-warp programs (B1 128k INT8 on an H200: 108.8 µs a step with 64 splits, 142.0 with 32;
+#   decode-warps-NVIDIA-H200-2026-11-28.md).
 # launch (head dims up to WIDE_ABOVE): warps and register cap by format. An INT8 step is bound by each program's
 #   per-tile chain (cross-warp reductions and barriers), not by its bytes or instructions: reading K alone (V's
 #   loads dropped) took the same time, and 26 % fewer instructions a tile 1–2 %. So INT8 runs one warp a program
 #   (no cross-warp reductions; 255 registers, four programs an SM by shared memory): B8 64k −15 % against four
-#   warps (decode-warps-NVIDIA-H200-2026-11-28.md). INT4 and int8g keep four warps capped at 168 (INT4's tile
-#   spills at 128: decode-regs-sweep-…-2026-11-25.md; one or two INT4 warps were slower).
+#   warps, and int8g two warps without a cap (three an SM: −7 to −10 %; decode-warps-NVIDIA-H200-2026-11-28.md).
+#   INT4 keeps four warps capped at 168 (its tile spills at 128: decode-regs-sweep-…-2026-11-25.md; one or two
+#   warps were slower).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
-# V staged (kernels/decode.py _fp16_1024_plus): INT8 up to WIDE_ABOVE, where it was measured and its shared memory
-#   is listed. Triton 3.6 builds the staged INT4 / int8g tiles with 105–139 KB at d128 (two or one program an SM).
-# SHARED: a program's shared memory by format and padded head dim with the default launch, so that the programs an
-#   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory); not listed: registers only.
+# V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 and int8g up to WIDE_ABOVE (INT4: no faster, ±1 %).
+# SHARED: a program's shared memory by format and padded head dim with the default launch and a cache in 16-bit
+#   floats, so that the programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared
+#   memory); not listed: registers only. A float32 cache's recent-token tile (INT4, int8g) takes more (Triton 3.6,
+#   d128: 89 / 139.5 KB), so the plan over-counts programs for float32 models there.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -164,7 +167,7 @@ def kernel_options(precision: str, head_dim: int, interpreting: bool, *, num_war
                    num_stages: int | None = None, maxnreg: int | None = None) -> dict:
     """The decode kernel's launch options for a cache of ``precision`` ("int8", "int4" or "int8g"): warps, stages
     where set, the register cap where there is one (kernels.json's ``decode`` fills what is not given)."""
-    launch = _default_launch(precision, tuning.padded_head_dim(head_dim), interpreting)  # (its MAX_SPLITS: the plan's)
+    launch = _default_launch(precision, tuning.padded_head_dim(head_dim), interpreting)  # (MAX_SPLITS: the plan's)
     if num_stages is None:
         num_stages = launch.get("num_stages")
     options = {"num_warps": launch["num_warps"] if num_warps is None else num_warps}
@@ -180,8 +183,8 @@ def _default_launch(precision: str, d_pad: int, interpreting: bool) -> dict:
 
 
 def v_staged(precision: str, d_pad: int, interpreting: bool) -> bool:
-    """Whether the kernel stages V's tile in fp16 in shared memory (INT8, up to head dim WIDE_ABOVE)."""
-    return precision == "int8" and d_pad <= tuning.decode_config(interpreting)["WIDE_ABOVE"]
+    """Whether the kernel stages V's tile in fp16 in shared memory (the format's launch says)."""
+    return bool(_default_launch(precision, d_pad, interpreting).get("V_STAGED", False))
 
 
 def default_shared_bytes(precision: str, head_dim: int, interpreting: bool) -> int:

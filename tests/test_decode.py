@@ -242,15 +242,9 @@ def test_resident_programs_follow_registers_and_shared_memory():
     assert decode_launch.resident_programs(168, 4, 37376) == 3  # registers bind
 
 
-# Triton 3.6 builds the d128 INT4 and int8g decode tiles with 89 / 139.5 KB of shared memory (H200, 2026-11-28): 2 / 1
-# programs an SM where the plan counts 3 by registers; a plan with their true count is not measured yet
-_SHARED_UNCOUNTED = pytest.mark.xfail(strict=True, reason="shared memory of the d128 INT4 / int8g tile not counted")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled GPU kernel")
-@pytest.mark.parametrize("precision,d", [("int8", 64), ("int8", 128), ("int4", 64), ("int8g", 64),
-                                         pytest.param("int4", 128, marks=_SHARED_UNCOUNTED),
-                                         pytest.param("int8g", 128, marks=_SHARED_UNCOUNTED)])
+@pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
+@pytest.mark.parametrize("d", [64, 128])
 def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d):
     """The programs an SM holds by the compiled decode kernel's own registers and shared memory are the ones the
     split plan counts from kernels.json (``launch``, ``SHARED``): a Triton that builds the kernel larger would
@@ -260,7 +254,7 @@ def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d):
     if not fast_launch.enabled():
         pytest.skip("the compiled kernel is read from the fast launcher's memo")
     k, v = outlier_kv(2, 2, 4096, d)
-    st = fill(k, v, precision)
+    st = fill(k.to(torch.bfloat16), v.to(torch.bfloat16), precision)  # a model's cache (recent tokens in bf16)
     q = torch.randn(2, 8, 1, d, device=DEVICE, dtype=torch.bfloat16)
     memo = {}
     decode_launch.decode(q, st["buf"], st["v_bar"], 4096, launches=memo)
