@@ -105,8 +105,11 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
 # V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 and int8g up to WIDE_ABOVE (INT4: no faster, ±1 %).
-# SHARED: a program's shared memory by format and padded head dim with the default launch and a cache in 16-bit
-#   floats, so that the programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared
+# MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
+#   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
+#   those tiles keep the four warps capped at 128 of before (not re-measured).
+# SHARED: a program's shared memory by format and padded head dim with the default launch (16-row tiles) and a
+#   cache in 16-bit floats, so that the programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared
 #   memory); not listed: registers only. A float32 cache's recent-token tile (INT4, int8g) takes more (Triton 3.6,
 #   d128: 89 / 139.5 KB), so the plan over-counts programs for float32 models there.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
@@ -147,8 +150,7 @@ def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, res
     """(block_m, qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
     this is computed once per tile, not per step."""
     cfg = tuning.decode_config(interp)
-    qt = max(1, min(nq, cfg["MAX_ROWS"] // groups))  # query tokens per tile: G·QT rows (≥ 16 by padding)
-    block_m = max(16, 1 << (qt * groups - 1).bit_length())  # the next power of 2
+    qt, block_m = tile_rows(groups, nq, interp)
     chunks = _cdiv(nq, qt)
     if num_splits is None:
         num_splits = cfg["NUM_SPLITS"]
@@ -163,11 +165,19 @@ def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, res
     return block_m, qt, chunks, _cdiv(tiles, num_splits) * block_n
 
 
-def kernel_options(precision: str, head_dim: int, interpreting: bool, *, num_warps: int | None = None,
-                   num_stages: int | None = None, maxnreg: int | None = None) -> dict:
-    """The decode kernel's launch options for a cache of ``precision`` ("int8", "int4" or "int8g"): warps, stages
-    where set, the register cap where there is one (kernels.json's ``decode`` fills what is not given)."""
-    launch = _default_launch(precision, tuning.padded_head_dim(head_dim), interpreting)  # (MAX_SPLITS: the plan's)
+def tile_rows(groups: int, nq: int, interp: bool) -> tuple[int, int]:
+    """(query tokens, rows) of a decode tile: the group's query heads times up to MAX_ROWS // groups query tokens,
+    rows padded to a power of two ≥ 16 (an mma's rows)."""
+    qt = max(1, min(nq, tuning.decode_config(interp)["MAX_ROWS"] // groups))
+    return qt, max(16, 1 << (qt * groups - 1).bit_length())
+
+
+def kernel_options(precision: str, head_dim: int, interpreting: bool, *, rows: int = 16,
+                   num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None) -> dict:
+    """The decode kernel's launch options for a cache of ``precision`` ("int8", "int4" or "int8g") and tiles of
+    ``rows`` rows (:func:`tile_rows`): warps, stages where set, the register cap where there is one (kernels.json's
+    ``decode`` fills what is not given)."""
+    launch = _default_launch(precision, tuning.padded_head_dim(head_dim), interpreting, rows)
     if num_stages is None:
         num_stages = launch.get("num_stages")
     options = {"num_warps": launch["num_warps"] if num_warps is None else num_warps}
@@ -177,9 +187,10 @@ def kernel_options(precision: str, head_dim: int, interpreting: bool, *, num_war
     return options
 
 
-def _default_launch(precision: str, d_pad: int, interpreting: bool) -> dict:
+def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 16) -> dict:
     settings = tuning.decode_config(interpreting)
-    return settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
+    launch = settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
+    return {**launch, **launch["MORE_ROWS"]} if rows > 16 and "MORE_ROWS" in launch else launch
 
 
 def v_staged(precision: str, d_pad: int, interpreting: bool) -> bool:
@@ -220,15 +231,17 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
     b, hq, nq, d = q_shape
     interp = tuning.interpreting() if interpreting is None else interpreting
     on_cpu = interp or device.type != "cuda"
-    options = kernel_options(precision, d, on_cpu, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-    # the launch kernels.json sets is the one whose programs' shared memory it lists
+    rows = tile_rows(hq // hk, nq, on_cpu)[1]
+    options = kernel_options(precision, d, on_cpu, rows=rows, num_warps=num_warps, num_stages=num_stages,
+                             maxnreg=maxnreg)
+    # the launch kernels.json sets is the one whose programs' shared memory it lists (tiles of 16 rows)
     default_launch = num_warps is None and num_stages is None and maxnreg is None and block_n is None
-    shared = default_shared_bytes(precision, d, on_cpu) if default_launch else 0
+    shared = default_shared_bytes(precision, d, on_cpu) if default_launch and rows == 16 else 0
     if precision in ("int4", "int8g"):
         block_n = GROUP  # a group a tile
+    max_splits = _default_launch(precision, tuning.padded_head_dim(d), on_cpu, rows).get("MAX_SPLITS")
     plan = plan_launch(b, hk, hq // hk, nq, nk, device, options, block_n=block_n, num_splits=num_splits,
-                       waves=waves, interpreting=interp, shared=shared,
-                       max_splits=_default_launch(precision, tuning.padded_head_dim(d), on_cpu).get("MAX_SPLITS"))
+                       waves=waves, interpreting=interp, shared=shared, max_splits=max_splits)
     return options, plan
 
 

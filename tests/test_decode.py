@@ -242,6 +242,16 @@ def test_resident_programs_follow_registers_and_shared_memory():
     assert decode_launch.resident_programs(168, 4, 37376) == 3  # registers bind
 
 
+def test_int8_tiles_of_many_rows_keep_four_warps():
+    """One warp a program serves a decode step's 16-row tile; a tile of 64 rows (16 query tokens of a GQA-4 group)
+    would hold its fp32 output in 256 registers a thread: it launches on four warps capped at 128, and its plan
+    counts programs by registers (the listed shared memory is the 16-row tile's)."""
+    assert decode_launch.tile_rows(4, 1, False) == (1, 16) and decode_launch.tile_rows(4, 16, False) == (16, 64)
+    assert decode_launch.kernel_options("int8", 128, False, rows=16) == {"num_warps": 1}
+    assert decode_launch.kernel_options("int8", 128, False, rows=64) == {"num_warps": 4, "maxnreg": 128}
+    assert decode_launch.kernel_options("int8", 256, False, rows=64) == {"num_warps": 4}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled GPU kernel")
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 @pytest.mark.parametrize("d", [64, 128])
