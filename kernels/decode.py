@@ -277,7 +277,7 @@ def _fp16_1024_plus(u, STAGED: tl.constexpr):
     Triton converts the tile as loaded (rows, 16-byte shared loads), stages it in fp16 and reads it back
     transposed (``ldmatrix.trans``). A pure conversion it moves behind the dot's layout change, which then gathers
     the 8-bit tile a byte at a time (64 one-byte shared loads a thread a 64-key d128 tile at 4 warps); staging takes
-    a tile of fp16 more shared memory (decode_launch.SHARED)."""
+    a tile of fp16 more shared memory (kernels.json decode SHARED)."""
     return tl.inline_asm_elementwise("prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;",
                                      "=r,=r,r", [u], dtype=tl.float16, is_pure=not STAGED, pack=4)
 
