@@ -187,17 +187,16 @@ def kernel_options(precision: str, head_dim: int, interpreting: bool, *, rows: i
     return options
 
 
+@functools.lru_cache(maxsize=None)
 def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 16) -> dict:
+    """kernels.json's launch of ``precision`` at ``d_pad`` for tiles of ``rows`` rows (cached, read-only: a decode
+    step's host path asks for it)."""
     settings = tuning.decode_config(interpreting)
     launch = settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
     return {**launch, **launch["MORE_ROWS"]} if rows > 16 and "MORE_ROWS" in launch else launch
 
 
-def v_staged(precision: str, d_pad: int, interpreting: bool) -> bool:
-    """Whether the kernel stages V's tile in fp16 in shared memory (the format's launch says)."""
-    return bool(_default_launch(precision, d_pad, interpreting).get("V_STAGED", False))
-
-
+@functools.lru_cache(maxsize=None)
 def default_shared_bytes(precision: str, head_dim: int, interpreting: bool) -> int:
     """A program's shared memory with the default launch of ``precision`` at ``head_dim`` (kernels.json's ``SHARED``,
     Triton's sm90 build), or 0 where not listed."""
@@ -227,7 +226,8 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
                 num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
                 interpreting: bool | None = None) -> tuple[dict, dict]:
     """(launch options, plan) of a decode call of queries ``q_shape`` (B, Hq, Nq, D) over ``nk`` keys of a cache of
-    ``precision`` with ``hk`` kv heads: what :func:`decode` launches, for callers that report it."""
+    ``precision`` with ``hk`` kv heads: what :func:`decode` launches, for callers that report it. The plan's
+    ``V_STAGED``: whether the kernel stages V's tile in fp16 in shared memory (the format's launch says)."""
     b, hq, nq, d = q_shape
     interp = tuning.interpreting() if interpreting is None else interpreting
     on_cpu = interp or device.type != "cuda"
@@ -239,9 +239,10 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
     shared = default_shared_bytes(precision, d, on_cpu) if default_launch and rows == 16 else 0
     if precision in ("int4", "int8g"):
         block_n = GROUP  # a group a tile
-    max_splits = _default_launch(precision, tuning.padded_head_dim(d), on_cpu, rows).get("MAX_SPLITS")
+    launch = _default_launch(precision, tuning.padded_head_dim(d), on_cpu, rows)
     plan = plan_launch(b, hk, hq // hk, nq, nk, device, options, block_n=block_n, num_splits=num_splits,
-                       waves=waves, interpreting=interp, shared=shared, max_splits=max_splits)
+                       waves=waves, interpreting=interp, shared=shared, max_splits=launch.get("MAX_SPLITS"))
+    plan["V_STAGED"] = bool(launch.get("V_STAGED", False))
     return options, plan
 
 
@@ -350,7 +351,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         INT4=int4, G8=g8, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
-        V_STAGED=v_staged(buffers.precision, d_pad, interp or q.device.type != "cuda"), **options,
+        V_STAGED=cfg["V_STAGED"], **options,
     )
     grid = (cfg["chunks"], b * hk, splits)
     if launches is None:

@@ -18,10 +18,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from bench_decode import fill_cache  # noqa: E402
 from timing import events_ms  # noqa: E402
 
 from hf_qattn.kernels import decode_launch  # noqa: E402
-from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 
 
 def main(tag: str, precision: str = "int8") -> None:
@@ -32,11 +32,7 @@ def main(tag: str, precision: str = "int8") -> None:
         k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-        k_bar, v_bar = kv_reference.centers(k, v)
-        buf = kv_reference.allocate(b, hk, n, d, precision, "cuda", k.dtype)
-        kv_reference.set_equalizers(buf, k, v, k_bar, v_bar)
-        decode_launch.append(k, v, k_bar, v_bar, buf, 0)
-        nbytes = sum(t.numel() * t.element_size() for t in (buf.kq, buf.ks, buf.vq, buf.vs))
+        buf, _, v_bar, nbytes = fill_cache(k, v, precision, "cuda")
         default = decode_launch.decode(q, buf, v_bar, n)
         for opts in all_opts:
             err = (decode_launch.decode(q, buf, v_bar, n, **opts).float() - default.float()).abs().max().item()
