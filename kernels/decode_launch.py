@@ -110,8 +110,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   those tiles keep the four warps capped at 128 of before (not re-measured).
 # SHARED: a program's shared memory by format and padded head dim with the default launch (16-row tiles) and a
 #   cache in 16-bit floats, so that the programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4
-#   by shared memory); not listed: registers only. A float32 cache's recent-token tile (INT4, int8g) takes more (Triton 3.6,
-#   d128: 89 / 139.5 KB), so the plan over-counts programs for float32 models there.
+#   by shared memory); not listed: registers only. A float32 cache's recent-token tile (INT4, int8g) takes more
+#   (Triton 3.6, d128: 89 / 139.5 KB), so the plan over-counts programs for float32 models there.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
