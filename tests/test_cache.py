@@ -313,10 +313,13 @@ def _tiny_lm(attn="qattn", **overrides):
 
 
 def _greedy(model, ids, cache, steps):
+    """``steps`` greedy tokens, all of them, and each step's logits: a random model may emit its end-of-sequence
+    token, which must not end the run early (callers count the cache's tokens and the decode steps); the logits
+    are the model's, before the processor that holds that token back sets it to −inf."""
     with torch.no_grad():
-        out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=steps, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True, output_scores=True)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, dim=1)
+        out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
 
 
 def test_generate_agrees_with_the_dynamic_cache(seed, fresh_stats):
