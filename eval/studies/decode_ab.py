@@ -2,9 +2,8 @@
 
     python3 eval/studies/decode_ab.py TAG [PRECISIONS [STAGES:MAXNREG[:WARPS],...]]   e.g. base int8g,int8 0:0,2:168,3:128:8
 
-For an A/B of kernel variants in one device call, copy each variant of ``kernels/decode.py`` over the installed
-package's ``hf_qattn/kernels/decode.py`` between runs (a fresh process imports it; Triton keys its cache by the
-source). ``0:0`` is the launcher's own choice of stages and register cap (and warps, unless a third number
+For an A/B of kernel variants in one device call, run once per variant of ``kernels/decode.py`` with
+``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py; Triton keys its cache by the source). ``0:0`` is the launcher's own choice of stages and register cap (and warps, unless a third number
 names them). Per row: µs a step (CUDA events, median
 of 7 × 20 calls), GB/s of the cache's bytes (scales included), relL1 to float32 attention over the unquantized
 K/V (K with per-channel offsets), relL1 to the PyTorch reference of the format (kv_cache.reference; a wrong
@@ -19,6 +18,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+import kernel_variant  # noqa: E402
+
+kernel_variant.use_from_env()  # before hf_qattn: KERNEL_VARIANT=decode:FILE
 from bench_decode import fill_cache  # noqa: E402
 from timing import events_ms  # noqa: E402
 

@@ -7,7 +7,7 @@ One line per (length, options): the installed decode kernel over a cache of PREC
 batch B, head dim D, one query token; ``OPTS``: ``decode_launch.decode`` keywords, ';'-separated (``{}`` is the
 default launch); CUDA events, median of 7 × 20 calls; ``err``: the largest difference to the default launch's
 output (split counts move the merge's rounding only). TAG ``base`` also times SDPA on the bf16 cache. For an A/B of
-kernel variants, copy each over the installed ``hf_qattn/kernels/decode.py`` between runs (a fresh process).
+kernel variants, run once per variant with ``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py).
 Results: eval/results/decode-warps-NVIDIA-H200-2026-11-28.md.
 """
 
@@ -18,6 +18,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+import kernel_variant  # noqa: E402
+
+kernel_variant.use_from_env()  # before hf_qattn: KERNEL_VARIANT=decode:FILE
 from bench_decode import fill_cache  # noqa: E402
 from timing import events_ms  # noqa: E402
 
