@@ -94,17 +94,17 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md); INT8's and int8g's launches set 64 for their one- and
 #   two-warp programs (B1 128k INT8 on an H200: 108.8 µs a step with 64 splits, 142.0 with 32;
 #   decode-warps-NVIDIA-H200-2026-11-28.md).
-# launch (head dims up to WIDE_ABOVE): warps and register cap by format. An INT8 step is bound by each program's
-#   per-tile chain (cross-warp reductions and barriers), not by its bytes or instructions: reading K alone (V's
-#   loads dropped) took the same time, and 26 % fewer instructions a tile 1–2 %. So INT8 runs one warp a program
-#   (no cross-warp reductions; 255 registers, four programs an SM by shared memory): B8 64k −15 % against four
-#   warps, and int8g two warps without a cap (three an SM: −7 to −10 %; decode-warps-NVIDIA-H200-2026-11-28.md).
-#   INT4 keeps four warps capped at 168 (its tile spills at 128: decode-regs-sweep-…-2026-11-25.md; one or two
-#   warps were slower).
+# launch (head dims up to WIDE_ABOVE): warps and register cap by format. INT8 runs one warp a program (no
+#   cross-warp reductions in a tile's softmax; 255 registers, four programs an SM by shared memory): B8 64k −15 %
+#   against four warps; int8g two warps without a cap (three an SM: −7 to −10 %). What bounds the one-warp step is
+#   open: the per-token scales in each tile's chain cost 10–13 % of a long step, not by their bytes. INT4 keeps four
+#   warps capped at 168 (its tile spills at 128: decode-regs-sweep-…-2026-11-25.md); one or two warps are slower,
+#   also with K's nibbles staged or dequantized as loaded (decode-warps-NVIDIA-H200-2026-11-28.md, sections 3, 5).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
-# V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 and int8g up to WIDE_ABOVE (INT4: no faster, ±1 %).
+# V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 (−10 to −12 % a step at one warp) and int8g up to WIDE_ABOVE
+#   (INT4's four warps: not measured).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
 #   those tiles keep the four warps capped at 128 of before (not re-measured).
