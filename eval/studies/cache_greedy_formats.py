@@ -12,8 +12,9 @@ tokens, 256 greedy tokens each, against the float32-cache run). Formats:
 
 - ``none``: unrounded; ``bf16``: rounded to bfloat16 (the yardstick of an ordinary perturbation);
 - K ``tok8``: INT8 per token (±127 of the token's largest |K − k̄|): the shipped INT8 cache's K;
-- K ``g8-G``: 8-bit per channel over groups of G tokens (256 levels between the group's min and max; the newest
-  incomplete group unrounded), the INT4 cache's layout at 8 bits;
+- K ``tok4``: INT4 per token (±7);
+- K ``g8-G`` / ``g4-G``: 8-bit / 4-bit per channel over groups of G tokens (256 / 16 levels between the group's min
+  and max; the newest incomplete group unrounded), ``g4-64`` the INT4 cache's K layout;
 - V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token;
 - ``tok8eq``, ``fp8eq`` (K or V): channel c divided by σ_c, its largest |x_c| over the first fill, before the per-token
   rounding, and multiplied back after (the decode kernel could fold σ into q once, and into the output once:
@@ -70,9 +71,9 @@ def _fp8_per_token(x):
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-# the formats by name (K: none, bf16, tok8, g8-G; V: none, bf16, fp8, tok8), on K − k̄ or V − v̄
+# the formats by name (K: none, bf16, tok8, tok4, g8-G, g4-G; V: none, bf16, fp8, tok8), on K − k̄ or V − v̄
 ROUNDINGS = {"none": lambda x: x, "bf16": lambda x: x.bfloat16().float(), "tok8": lambda x: _per_token(x, 127),
-             "fp8": _fp8_per_token}
+             "tok4": lambda x: _per_token(x, 7), "fp8": _fp8_per_token}
 
 
 def rounded(x, fmt, sigma=None):
@@ -91,10 +92,10 @@ def rounded(x, fmt, sigma=None):
         if fmt.endswith(suffix):
             s = sigma.clamp_min(1e-6) ** power
             return rounded(x / s, fmt[: -len(suffix)]) * s
-    if fmt.startswith("g8-"):
-        return _per_channel_groups(x, int(fmt[3:]), 255)
+    if fmt.startswith(("g8-", "g4-")):
+        return _per_channel_groups(x, int(fmt[3:]), 255 if fmt.startswith("g8-") else 15)
     if fmt not in ROUNDINGS:
-        raise ValueError(f"format {fmt!r}: one of {sorted(ROUNDINGS)} or g8-<group>")
+        raise ValueError(f"format {fmt!r}: one of {sorted(ROUNDINGS)} or g8-<group> / g4-<group>")
     return ROUNDINGS[fmt](x)
 
 
