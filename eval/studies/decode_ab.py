@@ -33,6 +33,7 @@ def rel_l1(a: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def main(tag: str, precisions: str = "int8g", configs: str = "0:0") -> None:
+    print(f"{tag}: decode kernel from {decode_launch.decode_kernel.fn.__code__.co_filename}", flush=True)  # the A/B ran it
     torch.manual_seed(0)
     b, hq, hk, d = 8, 32, 8, 128
     cases = [(tuple(map(int, c.split(":"))) + (0,))[:3] for c in configs.split(",")]
