@@ -3,9 +3,9 @@
     python3 eval/studies/decode_ab.py TAG [PRECISIONS [STAGES:MAXNREG[:WARPS],...]]   e.g. base int8g,int8 0:0,2:168,3:128:8
 
 For an A/B of kernel variants in one device call, run once per variant of ``kernels/decode.py`` with
-``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py; Triton keys its cache by the source). ``0:0`` is the launcher's own choice of stages and register cap (and warps, unless a third number
-names them). Per row: µs a step (CUDA events, median
-of 7 × 20 calls), GB/s of the cache's bytes (scales included), relL1 to float32 attention over the unquantized
+``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py; Triton keys its cache by the source). ``0:0`` is the
+launcher's own choice of stages and register cap (and warps, unless a third number names them). Per row: µs a
+step (CUDA events, median of 7 × 20 calls), GB/s of the cache's bytes (scales included), relL1 to float32 attention over the unquantized
 K/V (K with per-channel offsets), relL1 to the PyTorch reference of the format (kv_cache.reference; a wrong
 kernel shows here), and SDPA's µs on the bf16 cache (GQA, for the first TAG only: ``base``).
 """
