@@ -15,6 +15,8 @@ tokens, 256 greedy tokens each, against the float32-cache run). Formats:
 - K ``tok4``: INT4 per token (±7);
 - K ``g8-G`` / ``g4-G``: 8-bit / 4-bit per channel over groups of G tokens (256 / 16 levels between the group's min
   and max; the newest incomplete group unrounded), ``g4-64`` the INT4 cache's K layout;
+- K ``blk8-G``: INT8 over blocks of G tokens, one scale a block (a decode tile's K scale a scalar; the newest
+  incomplete block unrounded);
 - V ``fp8``: FP8 E4M3 per token (the shipped V); ``tok8``: INT8 per token;
 - ``tok8eq``, ``fp8eq`` (K or V): channel c divided by σ_c, its largest |x_c| over the first fill, before the per-token
   rounding, and multiplied back after (the decode kernel could fold σ into q once, and into the output once:
@@ -66,12 +68,25 @@ def _per_channel_groups(x, group, levels):
     return out
 
 
+def _per_block(x, group, levels):
+    """Symmetric over each whole block of ``group`` tokens: one scale a block (its largest |x| over tokens and
+    channels); the newest incomplete block unrounded."""
+    b, h, n, d = x.shape
+    whole = n // group * group
+    out = x.clone()
+    if whole:
+        g = x[:, :, :whole].reshape(b, h, whole // group, group * d)
+        scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-8) / levels
+        out[:, :, :whole] = (torch.round(g / scale).clamp(-levels, levels) * scale).reshape(b, h, whole, d)
+    return out
+
+
 def _fp8_per_token(x):
     scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 448
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-# the formats by name (K: none, bf16, tok8, tok4, g8-G, g4-G; V: none, bf16, fp8, tok8), on K − k̄ or V − v̄
+# the formats by name (K: none, bf16, tok8, tok4, g8-G, g4-G, blk8-G; V: none, bf16, fp8, tok8), on K − k̄ or V − v̄
 ROUNDINGS = {"none": lambda x: x, "bf16": lambda x: x.bfloat16().float(), "tok8": lambda x: _per_token(x, 127),
              "tok4": lambda x: _per_token(x, 7), "fp8": _fp8_per_token}
 
@@ -92,10 +107,12 @@ def rounded(x, fmt, sigma=None):
         if fmt.endswith(suffix):
             s = sigma.clamp_min(1e-6) ** power
             return rounded(x / s, fmt[: -len(suffix)]) * s
+    if fmt.startswith("blk8-"):
+        return _per_block(x, int(fmt[5:]), 127)
     if fmt.startswith(("g8-", "g4-")):
         return _per_channel_groups(x, int(fmt[3:]), 255 if fmt.startswith("g8-") else 15)
     if fmt not in ROUNDINGS:
-        raise ValueError(f"format {fmt!r}: one of {sorted(ROUNDINGS)} or g8-<group> / g4-<group>")
+        raise ValueError(f"format {fmt!r}: one of {sorted(ROUNDINGS)} or g8-<group> / g4-<group> / blk8-<group>")
     return ROUNDINGS[fmt](x)
 
 
