@@ -45,3 +45,8 @@ def use_from_env() -> str | None:
     module, _, path = spec.partition(":")
     use(module, path)
     return path
+
+
+def loaded_from(module: str) -> str:
+    """The file ``hf_qattn.kernels.<module>`` was imported from (a study prints it: the A/B ran that kernel)."""
+    return sys.modules[f"hf_qattn.kernels.{module}"].__file__

@@ -5,9 +5,10 @@
 For an A/B of kernel variants in one device call, run once per variant of ``kernels/decode.py`` with
 ``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py; Triton keys its cache by the source). ``0:0`` is the
 launcher's own choice of stages and register cap (and warps, unless a third number names them). Per row: µs a
-step (CUDA events, median of 7 × 20 calls), GB/s of the cache's bytes (scales included), relL1 to float32 attention over the unquantized
-K/V (K with per-channel offsets), relL1 to the PyTorch reference of the format (kv_cache.reference; a wrong
-kernel shows here), and SDPA's µs on the bf16 cache (GQA, for the first TAG only: ``base``).
+step (CUDA events, median of 7 × 20 calls), GB/s of the cache's bytes (scales included), relL1 to float32
+attention over the unquantized K/V (K with per-channel offsets), relL1 to the PyTorch reference of the format
+(kv_cache.reference; a wrong kernel shows here), and SDPA's µs on the bf16 cache (GQA, for the first TAG only:
+``base``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def rel_l1(a: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def main(tag: str, precisions: str = "int8g", configs: str = "0:0") -> None:
-    print(f"{tag}: decode kernel from {decode_launch.decode_kernel.fn.__code__.co_filename}", flush=True)  # the A/B ran it
+    print(f"{tag}: decode kernel from {kernel_variant.loaded_from('decode')}", flush=True)
     torch.manual_seed(0)
     b, hq, hk, d = 8, 32, 8, 128
     cases = [(tuple(map(int, c.split(":"))) + (0,))[:3] for c in configs.split(",")]

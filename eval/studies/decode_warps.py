@@ -28,7 +28,7 @@ from hf_qattn.kernels import decode_launch  # noqa: E402
 
 
 def main(tag: str, precision: str = "int8") -> None:
-    print(f"{tag}: decode kernel from {decode_launch.decode_kernel.fn.__code__.co_filename}", flush=True)  # the A/B ran it
+    print(f"{tag}: decode kernel from {kernel_variant.loaded_from('decode')}", flush=True)
     b, hq, hk, d = int(os.environ.get("B", 8)), 32, 8, int(os.environ.get("D", 128))
     all_opts = [json.loads(o) for o in os.environ.get("OPTS", "{}").split(";")]
     torch.manual_seed(0)
