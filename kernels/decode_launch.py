@@ -108,10 +108,11 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
 #   those tiles keep the four warps capped at 128 of before (not re-measured).
-# SHARED: a program's shared memory by format and padded head dim with the default launch (16-row tiles) and a
-#   cache in 16-bit floats, so that the programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4
-#   by shared memory); not listed: registers only. A float32 cache's recent-token tile (INT4, int8g) takes more
-#   (Triton 3.6, d128: 89 / 139.5 KB), so the plan over-counts programs for float32 models there.
+# SHARED: a program's shared memory with the default launch (16-row tiles) by the width of the cache's floats,
+#   format and padded head dim (Triton 3.6's sm90 build), so that the programs an SM holds count it (one-warp INT8
+#   programs: 8 by registers, 4 by shared memory); not listed: registers only. The INT4 and int8g recent-token
+#   tiles are kept in the model's floats, so a float32 model's programs take more (int8g d128: 140 KB, one an SM;
+#   16-bit: 70 KB, three); INT8 has no such tile.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
@@ -197,11 +198,13 @@ def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 
 
 
 @functools.lru_cache(maxsize=None)
-def default_shared_bytes(precision: str, head_dim: int, interpreting: bool) -> int:
-    """A program's shared memory with the default launch of ``precision`` at ``head_dim`` (kernels.json's ``SHARED``,
-    Triton's sm90 build), or 0 where not listed."""
+def default_shared_bytes(precision: str, head_dim: int, interpreting: bool,
+                         cache_dtype: torch.dtype = torch.bfloat16) -> int:
+    """A program's shared memory with the default launch of ``precision`` at ``head_dim`` over a cache whose
+    recent-token tiles are ``cache_dtype`` (kernels.json's ``SHARED``, Triton's sm90 build), or 0 where not listed."""
+    width = f"{cache_dtype.itemsize * 8}-bit"
     d_pad = tuning.padded_head_dim(head_dim)
-    return tuning.decode_config(interpreting).get("SHARED", {}).get(precision, {}).get(str(d_pad), 0)
+    return tuning.decode_config(interpreting).get("SHARED", {}).get(width, {}).get(precision, {}).get(str(d_pad), 0)
 
 
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, options: dict, *,
@@ -224,10 +227,11 @@ def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.de
 def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.device, *,
                 block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
-                interpreting: bool | None = None) -> tuple[dict, dict]:
+                interpreting: bool | None = None, cache_dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
     """(launch options, plan) of a decode call of queries ``q_shape`` (B, Hq, Nq, D) over ``nk`` keys of a cache of
-    ``precision`` with ``hk`` kv heads: what :func:`decode` launches, for callers that report it. The plan's
-    ``V_STAGED``: whether the kernel stages V's tile in fp16 in shared memory (the format's launch says)."""
+    ``precision`` with ``hk`` kv heads whose recent-token tiles are ``cache_dtype`` (the model's floats): what
+    :func:`decode` launches, for callers that report it. The plan's ``V_STAGED``: whether the kernel stages V's tile
+    in fp16 in shared memory (the format's launch says)."""
     b, hq, nq, d = q_shape
     interp = tuning.interpreting() if interpreting is None else interpreting
     on_cpu = interp or device.type != "cuda"
@@ -236,7 +240,7 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
                              maxnreg=maxnreg)
     # the launch kernels.json sets is the one whose programs' shared memory it lists (tiles of 16 rows)
     default_launch = num_warps is None and num_stages is None and maxnreg is None and block_n is None
-    shared = default_shared_bytes(precision, d, on_cpu) if default_launch and rows == 16 else 0
+    shared = default_shared_bytes(precision, d, on_cpu, cache_dtype) if default_launch and rows == 16 else 0
     if precision in ("int4", "int8g"):
         block_n = GROUP  # a group a tile
     launch = _default_launch(precision, tuning.padded_head_dim(d), on_cpu, rows)
@@ -321,7 +325,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     d_pad = tuning.padded_head_dim(d)
     options, cfg = plan_decode(buffers.precision, q.shape, hk, nk, q.device, block_n=block_n, num_splits=num_splits,
                                waves=waves, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
-                               interpreting=interp)
+                               interpreting=interp, cache_dtype=q.dtype if kr is None else kr.dtype)
     if (sinks is not None or softcap is not None) and k_bar is None:
         raise ValueError("k_bar (the stored K's center) is needed with sinks or softcap")
     if sinks is not None:

@@ -252,29 +252,47 @@ def test_int8_tiles_of_many_rows_keep_four_warps():
     assert decode_launch.kernel_options("int8", 256, False, rows=64) == {"num_warps": 4}
 
 
+def test_float32_models_plan_fewer_grouped_programs():
+    """A float32 model's INT4 / int8g recent-token tiles take twice the shared memory: its plan counts the programs
+    an SM holds by kernels.json's 32-bit row (int8g d128: one, where a 16-bit model's hold three); INT8 keeps no
+    such tile."""
+    counts = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for precision in ("int8", "int4", "int8g"):
+            options = decode_launch.kernel_options(precision, 128, False)
+            shared = decode_launch.default_shared_bytes(precision, 128, False, dtype)
+            assert shared > 0
+            counts[dtype, precision] = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
+                                                                       shared)
+    assert counts[torch.bfloat16, "int8g"] == counts[torch.float16, "int8g"] == 3
+    assert counts[torch.float32, "int8g"] == 1 and counts[torch.float32, "int4"] < counts[torch.bfloat16, "int4"]
+    assert counts[torch.float32, "int8"] == counts[torch.bfloat16, "int8"] == 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled GPU kernel")
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d, dtype):
     """The programs an SM holds by the compiled decode kernel's own registers and shared memory are the ones the
-    split plan counts from kernels.json (``launch``, ``SHARED``): a Triton that builds the kernel larger would
-    leave the plan's last round short of room."""
+    split plan counts from kernels.json (``launch``, ``SHARED``) for a model of ``dtype`` (the recent-token tiles
+    are kept in it): a Triton that builds the kernel larger would leave the plan's last round short of room."""
     from hf_qattn.kernels import fast_launch
 
     if not fast_launch.enabled():
         pytest.skip("the compiled kernel is read from the fast launcher's memo")
     k, v = outlier_kv(2, 2, 4096, d)
-    st = fill(k.to(torch.bfloat16), v.to(torch.bfloat16), precision)  # a model's cache (recent tokens in bf16)
-    q = torch.randn(2, 8, 1, d, device=DEVICE, dtype=torch.bfloat16)
+    st = fill(k.to(dtype), v.to(dtype), precision)  # a model's cache (recent tokens in its floats)
+    q = torch.randn(2, 8, 1, d, device=DEVICE, dtype=dtype)
     memo = {}
     decode_launch.decode(q, st["buf"], st["v_bar"], 4096, launches=memo)
-    options, plan = decode_launch.plan_decode(precision, q.shape, 2, 4096, q.device)
+    options, plan = decode_launch.plan_decode(precision, q.shape, 2, 4096, q.device, cache_dtype=dtype)
     assert plan["num_splits"] > 1
     (kernel, *_), = memo.values()
     regs = -(-kernel.n_regs // 8) * 8  # registers are given out in eights a thread
     held = decode_launch.resident_programs(regs, kernel.metadata.num_warps, kernel.metadata.shared)
     listed = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
-                                             decode_launch.default_shared_bytes(precision, d, False))
+                                             decode_launch.default_shared_bytes(precision, d, False, dtype))
     assert held == listed, (kernel.n_regs, kernel.metadata.shared)
 
 
