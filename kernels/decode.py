@@ -33,6 +33,8 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
                                                in fp16, one dot; φ the group's row dither (formats.KV_GROUP_DITHERED)
     S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
+    (per-token INT8 with few query rows, KEYS_AS_ROWS: the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and
+    Oᵀ += V̂ᵀ · Pᵀ, so that an mma pads the query rows to 8, not 16)
     O += (P · δV · 127) · V̂                   per-token V: in fp16, V̂ exact; O ⊙ σ_V / 127 at the end
     O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16 (ΣP of it, the denominator's too), u exact;
                                                (P · vr) on the incomplete group
@@ -293,6 +295,25 @@ def _fp16_1152_plus(x, STAGED: tl.constexpr):
 
 
 @triton.jit
+def _per_row(x, KEYS_AS_ROWS: tl.constexpr):
+    """A vector over the tile's query rows, broadcast across its keys (the score tile is rows × keys, or with
+    KEYS_AS_ROWS keys × rows)."""
+    if KEYS_AS_ROWS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _per_key(x, KEYS_AS_ROWS: tl.constexpr):
+    """A vector over the tile's keys, broadcast across its query rows (see :func:`_per_row`)."""
+    if KEYS_AS_ROWS:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
 def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                  s_base, v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
@@ -300,7 +321,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr,
                  G8: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr, INTERPRET: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr,
-                 V_STAGED: tl.constexpr, MASK_N: tl.constexpr, RECENT: tl.constexpr):
+                 V_STAGED: tl.constexpr, MASK_N: tl.constexpr, RECENT: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
     INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K (q in two halves, ``q_lo`` and ``q_hi``) / of
     8-bit K and V (q as ``q_unit`` · ``q_amax``: q over its row's largest |q|, and that), or with RECENT the
@@ -310,12 +331,18 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
     of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
-    ``ring_lo`` over a ring of ``ring`` slots."""
+    ``ring_lo`` over a ring of ``ring`` slots.
+    KEYS_AS_ROWS (per-token INT8): the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and Oᵀ += V̂ᵀ · Pᵀ, with
+    q̂'s parts given transposed (D_PAD, BLOCK_M) and ``acc`` as Oᵀ. A decode tile holds few query rows (GQA-4, one
+    token: 4), which an mma pads to 16 as its rows but to 8 as its columns: the softmax handles half the elements,
+    the tile half the mma's (B8 64k −14 %, B1 128k −11 %: eval/results/decode-warps-*.md)."""
+    KEY_AXIS: tl.constexpr = 0 if KEYS_AS_ROWS else 1
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     if INT4 or G8:  # a grouped tile is one group: its scales, and G8's row dither, are the tile's
         tl.static_assert(BLOCK_N == KV_GROUP)
+        tl.static_assert(not KEYS_AS_ROWS, "grouped tiles keep the query rows as the dots' rows")
     if INT4:
         tl.static_assert(not INT4_DITHERED, "the INT4 tile is read as undithered groups")
         HALF: tl.constexpr = D_PAD // 2
@@ -389,12 +416,17 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
         # q̂ = q_unit + q_fine / 254 (in 127ths of the row's largest |q|): two INT8 dots with K̂ as stored, no
         # conversion of K; exact in int32 (|254 · q_unit · K̂ + q_fine · K̂| ≤ 255 · 127² · D < 2^31 for D ≤ 256)
-        if INTERPRET:
+        if KEYS_AS_ROWS:  # q_unit, q_fine: (D_PAD, BLOCK_M)
+            if INTERPRET:
+                qk = 254.0 * _dot_t(k, tl.trans(q_unit), INTERPRET) + _dot_t(k, tl.trans(q_fine), INTERPRET)
+            else:
+                qk = tl.dot(k, q_fine, acc=tl.dot(k, q_unit, out_dtype=tl.int32) * 254, out_dtype=tl.int32)
+        elif INTERPRET:
             qk = 254.0 * _dot_t(q_unit, k, INTERPRET) + _dot_t(q_fine, k, INTERPRET)
         else:
             k_t = tl.trans(k)
             qk = tl.dot(q_fine, k_t, acc=tl.dot(q_unit, k_t, out_dtype=tl.int32) * 254, out_dtype=tl.int32)
-        qk = qk.to(tl.float32) * q_amax[:, None]
+        qk = qk.to(tl.float32) * _per_row(q_amax, KEYS_AS_ROWS)
     if not G8:  # V's per-token scale
         if MASK_N:
             v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
@@ -407,26 +439,27 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
         else:
             k_scale = tl.load(KS + s_base + offs_n)
-        s = qk * (k_scale * score_coef)[None, :]
+        s = qk * _per_key(k_scale * score_coef, KEYS_AS_ROWS)
     if SOFTCAP:  # tanh(t) = 1 − 2 / (exp(2t) + 1), saturating to ±1 (no tanh in the interpreter's math)
-        t = (s + shift[:, None]) / softcap2
+        t = (s + _per_row(shift, KEYS_AS_ROWS)) / softcap2
         s = softcap2 * (1.0 - 2.0 / (tl.math.exp2(t * 2.885390081777927) + 1.0))
     if MASK_N or HAS_KV_RANGE or CAUSAL or WINDOW or CHUNK or RING:
-        visible = n_ok[None, :]
+        key = _per_key(offs_n, KEYS_AS_ROWS)
+        visible = _per_key(n_ok, KEYS_AS_ROWS)
         if HAS_KV_RANGE:
-            visible = visible & (offs_n >= kv_lo)[None, :]
+            visible = visible & (key >= kv_lo)
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= (diag + qi)[:, None])
+            visible = visible & (key <= _per_row(diag + qi, KEYS_AS_ROWS))
         if WINDOW:
-            visible = visible & (offs_n[None, :] > (diag + qi - window)[:, None])
+            visible = visible & (key > _per_row(diag + qi - window, KEYS_AS_ROWS))
         if CHUNK:
-            visible = visible & ((offs_n[None, :] // chunk_size) == ((diag + qi) // chunk_size)[:, None])
+            visible = visible & ((key // chunk_size) == _per_row((diag + qi) // chunk_size, KEYS_AS_ROWS))
         if RING:
-            visible = visible & ((offs_n + ring - ring_lo) % ring < ring_count)[None, :]
+            visible = visible & ((key + ring - ring_lo) % ring < ring_count)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.max(s, axis=KEY_AXIS))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s - _per_row(m_use, KEYS_AS_ROWS))
     alpha = tl.math.exp2(m_i - m_use)
     if G8 and not RECENT:
         # the weights as the group's dot takes them (P ≤ 1: fp16 holds it to 11 bits); their sum, which the zero
@@ -437,11 +470,11 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     elif not G8:
         # per-token V: P times each token's largest |V̂| (δV · 127, fp16's normal range), as the dot takes it; V̂ as
         # 1152 + V̂ (_fp16_1152_plus), so 1152 · Σ of these weights comes off the dot; with ΣP, one reduction
-        p_w = (p * (v_scale * 127.0)[None, :]).to(tl.float16)
+        p_w = (p * _per_key(v_scale * 127.0, KEYS_AS_ROWS)).to(tl.float16)
         if INTERPRET:
-            p_sum = tl.sum(p, axis=1)
+            p_sum = tl.sum(p, axis=KEY_AXIS)
         else:
-            p_sum, p_w_sum = tl.split(tl.sum(tl.join(p, p_w.to(tl.float32)), axis=1))
+            p_sum, p_w_sum = tl.split(tl.sum(tl.join(p, p_w.to(tl.float32)), axis=KEY_AXIS))
     else:
         p_sum = tl.sum(p, axis=1)
     l_i = l_i * alpha + p_sum
@@ -472,11 +505,16 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     else:  # per-token INT8 V (its 127 and equalizers σ_V come back in the output, at the end)
         v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
                        EVEN_D)
-        if INTERPRET:
+        if KEYS_AS_ROWS:  # Oᵀ += V̂ᵀ · Pᵀ
+            if INTERPRET:
+                pv = tl.dot(tl.trans(v.to(tl.float32)), p_w.to(tl.float32))
+            else:
+                pv = tl.dot(tl.trans(_fp16_1152_plus(v, V_STAGED)), p_w) - 1152.0 * p_w_sum[None, :]
+        elif INTERPRET:
             pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
         else:
             pv = tl.dot(p_w, _fp16_1152_plus(v, V_STAGED)) - 1152.0 * p_w_sum[:, None]
-    acc = acc * alpha[:, None] + pv
+    acc = acc * _per_row(alpha, KEYS_AS_ROWS) + pv
     return acc, m_new, l_i
 
 
@@ -505,7 +543,7 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT4: tl.constexpr, G8: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     DEVICE_LEN: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
-    CHUNK: tl.constexpr, RING: tl.constexpr, V_STAGED: tl.constexpr,
+    CHUNK: tl.constexpr, RING: tl.constexpr, V_STAGED: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     GROUPED: tl.constexpr = INT4 or G8
     if DEVICE_LEN:  # the cached token count from device memory; NK was the capacity the splits were planned for
@@ -632,7 +670,12 @@ def decode_kernel(
         vr_base = VR + b * stride_rb + hk * stride_rh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if KEYS_AS_ROWS:  # Oᵀ, and q̂'s parts transposed (_attend_tile)
+        acc = tl.zeros([D_PAD, BLOCK_M], tl.float32)
+        q_unit = tl.trans(q_unit)
+        q_fine = tl.trans(q_fine)
+    else:
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # whole tiles, a partial one, and (grouped formats) the incomplete group's rows: at most one tile, in the split
     # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
     for start in range(lo, hi_full, BLOCK_N):
@@ -640,21 +683,23 @@ def decode_kernel(
             q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
             v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
             shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
-            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, False, False)
+            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, False, False, KEYS_AS_ROWS)
     for start in range(hi_full, hi_packed, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
             v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
             shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
-            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, False)
+            HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, False, KEYS_AS_ROWS)
     if GROUPED:
         for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                 s_base, v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
                 score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
-                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True)
+                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True, False)
 
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc)
     o_ptrs = O + b * stride_ob + qi[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     v_bar = tl.load(V_BAR + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
     v_eq = tl.full([D_PAD], 1.0, tl.float32)

@@ -105,12 +105,18 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   H100's 227 KiB; 1 stage: 96 KiB).
 # V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 (−10 to −12 % a step at one warp) and int8g up to WIDE_ABOVE
 #   (INT4's four warps: not measured).
+# KEYS_AS_ROWS_UP_TO: INT8 tiles of at most this many query rows (a decode step of GQA ≤ 8) take the keys as the
+#   dots' rows and the query rows as their columns, which an mma pads to 8 where it pads rows to 16: half the
+#   softmax's elements and half the mma's of the 16-row tile (one warp, d128: 1,259 → 928 instructions a tile, no
+#   spill reloads in the loop). B8 64k −14 %, B1 128k −11 % a step (H200, decode-warps-*-2026-11-28.md section 6).
+#   The grouped formats' tiles (INT4, int8g) keep the query rows as the dots' rows (not built).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
 #   those tiles keep the four warps capped at 128 of before (not re-measured).
-# SHARED: a program's shared memory with the default launch (16-row tiles) by the width of the cache's floats,
-#   format and padded head dim (Triton 3.6's sm90 build), so that the programs an SM holds count it (one-warp INT8
-#   programs: 8 by registers, 4 by shared memory); not listed: registers only. The INT4 and int8g recent-token
+# SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
+#   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
+#   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; INT8's 16-row tile takes
+#   54,272 bytes there, four programs too); not listed: registers only. The INT4 and int8g recent-token
 #   tiles are kept in the model's floats, so a float32 model's programs take more (int8g d128: 140 KB, one an SM;
 #   16-bit: 70 KB, three); INT8 has no such tile.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
@@ -137,21 +143,23 @@ def resident_programs(maxnreg: int, num_warps: int, shared: int = 0) -> int:
 
 
 def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, resident: int, interp: bool, block_n: int,
-          num_splits: int | None, waves: float | None, max_splits: int | None = None) -> tuple:
+          num_splits: int | None, waves: float | None, max_splits: int | None, block_m: int) -> tuple:
     """(block_m, qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs holding
-    ``resident`` programs each (``max_splits``: the format's cap, else kernels.json's MAX_SPLITS)."""
+    ``resident`` programs each (``max_splits``: the format's cap, else kernels.json's MAX_SPLITS; ``block_m``: the
+    tile's rows, :func:`tile_rows`)."""
     block_m, qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, resident, interp,
-                                                 block_n, num_splits, waves, max_splits)
+                                                 block_n, num_splits, waves, max_splits, block_m)
     return block_m, qt, chunks, _cdiv(max(nk, 1), split_len), split_len  # no empty trailing split
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, resident: int, interp: bool,
-                block_n: int, num_splits: int | None, waves: float | None, max_splits: int | None = None) -> tuple:
+                block_n: int, num_splits: int | None, waves: float | None, max_splits: int | None,
+                block_m: int) -> tuple:
     """(block_m, qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
     this is computed once per tile, not per step."""
     cfg = tuning.decode_config(interp)
-    qt, block_m = tile_rows(groups, nq, interp)
+    qt = tile_rows(groups, nq, interp)[0]
     chunks = _cdiv(nq, qt)
     if num_splits is None:
         num_splits = cfg["NUM_SPLITS"]
@@ -166,11 +174,15 @@ def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, res
     return block_m, qt, chunks, _cdiv(tiles, num_splits) * block_n
 
 
-def tile_rows(groups: int, nq: int, interp: bool) -> tuple[int, int]:
-    """(query tokens, rows) of a decode tile: the group's query heads times up to MAX_ROWS // groups query tokens,
-    rows padded to a power of two ≥ 16 (an mma's rows)."""
+def tile_rows(groups: int, nq: int, interp: bool, keys_as_rows_up_to: int = 0) -> tuple[int, int, bool]:
+    """(query tokens, rows, keys as rows) of a decode tile: the group's query heads times up to MAX_ROWS // groups
+    query tokens, rows padded to a power of two ≥ 16 (an mma's rows), or, at most ``keys_as_rows_up_to`` of them
+    (the format's KEYS_AS_ROWS_UP_TO), ≥ 8: the kernel then puts the keys on the dots' rows and these rows on their
+    columns, which an mma pads to 8 (kernels/decode.py _attend_tile)."""
     qt = max(1, min(nq, tuning.decode_config(interp)["MAX_ROWS"] // groups))
-    return qt, max(16, 1 << (qt * groups - 1).bit_length())
+    real = qt * groups
+    keys_as_rows = real <= keys_as_rows_up_to
+    return qt, max(8 if keys_as_rows else 16, 1 << (real - 1).bit_length()), keys_as_rows
 
 
 def kernel_options(precision: str, head_dim: int, interpreting: bool, *, rows: int = 16,
@@ -209,18 +221,22 @@ def default_shared_bytes(precision: str, head_dim: int, interpreting: bool,
 
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, options: dict, *,
                 block_n: int | None = None, num_splits: int | None = None, waves: float | None = None,
-                interpreting: bool | None = None, shared: int = 0, max_splits: int | None = None) -> dict:
+                interpreting: bool | None = None, shared: int = 0, max_splits: int | None = None,
+                block_m: int | None = None) -> dict:
     """Tile sizes and the split count of one decode call whose kernel launches with ``options``
     (:func:`kernel_options`: its warps and register cap, and its ``shared`` bytes where known
     (:func:`default_shared_bytes`), set how many programs an SM holds); ``interpreting``:
-    ``tuning.interpreting()``, if the caller read it already; ``max_splits``: the format's cap on splits, if any."""
+    ``tuning.interpreting()``, if the caller read it already; ``max_splits``: the format's cap on splits, if any;
+    ``block_m``: the tile's rows (:func:`tile_rows`; left out, a tile with the query rows as the dots' rows)."""
     interp = (tuning.interpreting() if interpreting is None else interpreting) or device.type != "cuda"
     sms = 0 if interp else tuning.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if block_n is None:
         block_n = tuning.decode_config(interp)["BLOCK_N"]
     resident = resident_programs(options.get("maxnreg", 0), options["num_warps"], shared)
+    if block_m is None:
+        block_m = tile_rows(groups, nq, interp)[1]
     block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, resident, interp, block_n, num_splits,
-                                                   waves, max_splits)
+                                                   waves, max_splits, block_m)
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, QT=qt, chunks=chunks, num_splits=splits, split_len=split_len)
 
 
@@ -231,22 +247,26 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
     """(launch options, plan) of a decode call of queries ``q_shape`` (B, Hq, Nq, D) over ``nk`` keys of a cache of
     ``precision`` with ``hk`` kv heads whose recent-token tiles are ``cache_dtype`` (the model's floats): what
     :func:`decode` launches, for callers that report it. The plan's ``V_STAGED``: whether the kernel stages V's tile
-    in fp16 in shared memory (the format's launch says)."""
+    in fp16 in shared memory (the format's launch says); ``KEYS_AS_ROWS``: whether its dots take the keys as their rows
+    (:func:`tile_rows`)."""
     b, hq, nq, d = q_shape
     interp = tuning.interpreting() if interpreting is None else interpreting
     on_cpu = interp or device.type != "cuda"
-    rows = tile_rows(hq // hk, nq, on_cpu)[1]
+    step_launch = _default_launch(precision, tuning.padded_head_dim(d), on_cpu)
+    _, rows, keys_as_rows = tile_rows(hq // hk, nq, on_cpu, step_launch.get("KEYS_AS_ROWS_UP_TO", 0))
     options = kernel_options(precision, d, on_cpu, rows=rows, num_warps=num_warps, num_stages=num_stages,
                              maxnreg=maxnreg)
-    # the launch kernels.json sets is the one whose programs' shared memory it lists (tiles of 16 rows)
+    # the launch kernels.json sets is the one whose programs' shared memory it lists (a decode step's tile)
     default_launch = num_warps is None and num_stages is None and maxnreg is None and block_n is None
-    shared = default_shared_bytes(precision, d, on_cpu, cache_dtype) if default_launch and rows == 16 else 0
+    shared = default_shared_bytes(precision, d, on_cpu, cache_dtype) if default_launch and rows <= 16 else 0
     if precision in ("int4", "int8g"):
         block_n = GROUP  # a group a tile
     launch = _default_launch(precision, tuning.padded_head_dim(d), on_cpu, rows)
     plan = plan_launch(b, hk, hq // hk, nq, nk, device, options, block_n=block_n, num_splits=num_splits,
-                       waves=waves, interpreting=interp, shared=shared, max_splits=launch.get("MAX_SPLITS"))
+                       waves=waves, interpreting=interp, shared=shared, max_splits=launch.get("MAX_SPLITS"),
+                       block_m=rows)
     plan["V_STAGED"] = bool(launch.get("V_STAGED", False))
+    plan["KEYS_AS_ROWS"] = keys_as_rows
     return options, plan
 
 
@@ -355,7 +375,7 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         INT4=int4, G8=g8, CAUSAL=bool(causal) and nq > 1, HAS_KV_RANGE=has_range and ring is None, SPLIT=split,
         INTERPRET=interp, DEVICE_LEN=length is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, WINDOW=window is not None, CHUNK=chunk is not None, RING=ring is not None,
-        V_STAGED=cfg["V_STAGED"], **options,
+        V_STAGED=cfg["V_STAGED"], KEYS_AS_ROWS=cfg["KEYS_AS_ROWS"], **options,
     )
     grid = (cfg["chunks"], b * hk, splits)
     if launches is None:

@@ -216,7 +216,7 @@ def test_split_count_fills_whole_rounds_of_resident_programs(b, hk, nq, nk, resi
     sms, block_n = 132, 64
     cfg = tuning.decode_config(False)
     _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, resident, False, block_n, None,
-                                                           None)
+                                                           None, None, 16)
     tiles = -(-nk // block_n)
     programs = chunks * b * hk
     slots = cfg["WAVES"] * sms * resident
@@ -237,19 +237,32 @@ def test_resident_programs_follow_registers_and_shared_memory():
     assert [decode_launch.resident_programs(cap, 4) for cap in (128, 168, 0)] == [4, 3, 2]
     assert decode_launch.resident_programs(128, 8) == 2
     assert decode_launch.resident_programs(0, 1) == 8
-    assert decode_launch.resident_programs(0, 1, 54272) == 4  # one-warp INT8 d128: shared memory binds
+    assert decode_launch.resident_programs(0, 1, 50176) == 4  # one-warp INT8 d128: shared memory binds
     assert decode_launch.resident_programs(0, 2, 71680) == 3  # two-warp int8g d128
     assert decode_launch.resident_programs(168, 4, 37376) == 3  # registers bind
 
 
 def test_int8_tiles_of_many_rows_keep_four_warps():
-    """One warp a program serves a decode step's 16-row tile; a tile of 64 rows (16 query tokens of a GQA-4 group)
+    """One warp a program serves a decode step's tile; a tile of 64 rows (16 query tokens of a GQA-4 group)
     would hold its fp32 output in 256 registers a thread: it launches on four warps capped at 128, and its plan
-    counts programs by registers (the listed shared memory is the 16-row tile's)."""
-    assert decode_launch.tile_rows(4, 1, False) == (1, 16) and decode_launch.tile_rows(4, 16, False) == (16, 64)
+    counts programs by registers (the listed shared memory is the step tile's)."""
+    assert decode_launch.tile_rows(4, 16, False) == (16, 64, False)
+    assert decode_launch.kernel_options("int8", 128, False, rows=8) == {"num_warps": 1}
     assert decode_launch.kernel_options("int8", 128, False, rows=16) == {"num_warps": 1}
     assert decode_launch.kernel_options("int8", 128, False, rows=64) == {"num_warps": 4, "maxnreg": 128}
     assert decode_launch.kernel_options("int8", 256, False, rows=64) == {"num_warps": 4}
+
+
+def test_few_query_rows_put_the_keys_on_the_dots_rows():
+    """INT8 tiles of at most KEYS_AS_ROWS_UP_TO query rows (GQA-4 and GQA-8 decode steps, two tokens of GQA-4) take
+    the keys as the dots' rows, padded to 8 rows; more rows, and the grouped formats, keep the query rows as the
+    dots' rows, padded to 16."""
+    for groups, nq, rows, keys in ((4, 1, 8, True), (8, 1, 8, True), (2, 1, 8, True), (4, 2, 8, True),
+                                   (4, 3, 16, False), (16, 1, 16, False), (4, 16, 64, False)):
+        for precision in ("int8", "int4", "int8g"):
+            _, plan = decode_launch.plan_decode(precision, (1, 8 * groups, nq, 128), 8, 4096, torch.device("cpu"))
+            expect = (rows, keys) if precision == "int8" else (max(16, rows), False)
+            assert (plan["BLOCK_M"], plan["KEYS_AS_ROWS"]) == expect, (groups, nq, precision, plan)
 
 
 def test_float32_models_plan_fewer_grouped_programs():
@@ -422,9 +435,12 @@ MUTATIONS = {
     "K's equalizers not folded into q": ("q_unit = q_unit * tl.load(K_EQ", "q_unit = q_unit + 0.0 * tl.load(K_EQ"),
     "V's equalizers dropped": ("v_eq = tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)",
                                "v_eq = 1.0 + 0.0 * tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)"),
-    "per-token V's 127 dropped": ("(p * (v_scale * 127.0)[None, :])", "(p * v_scale[None, :])"),
+    "per-token V's 127 dropped": ("_per_key(v_scale * 127.0, KEYS_AS_ROWS)", "_per_key(v_scale, KEYS_AS_ROWS)"),
     "per-token K: q's two parts joined wrong (GPU)": ("k_t, out_dtype=tl.int32) * 254,", "k_t, out_dtype=tl.int32),"),
     "per-token V's fp16 offset wrong (GPU)": ("- 1152.0 * p_w_sum[:, None]", "- 1100.0 * p_w_sum[:, None]"),
+    "keys as rows: q's two parts joined wrong (GPU)": ("q_unit, out_dtype=tl.int32) * 254,",
+                                                       "q_unit, out_dtype=tl.int32),"),
+    "keys as rows: V's fp16 offset wrong (GPU)": ("- 1152.0 * p_w_sum[None, :]", "- 1100.0 * p_w_sum[None, :]"),
 }
 
 
@@ -435,14 +451,18 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
     precision = next((p for p in ("int8g", "int4") if p in name), "int8")
     n = 45 if precision == "int8" else 100  # grouped: a group and 36 recent tokens
     k, v = outlier_kv(1, 2, n, 32)
-    q = torch.randn(1, 4, 5, 32, device=DEVICE, dtype=torch.float16)
+    # 10 query rows a tile (the query rows as the dots' rows), and 4 (INT8: the keys as the dots' rows)
+    qs = [torch.randn(1, 4, nq, 32, device=DEVICE, dtype=torch.float16) for nq in (5, 2)]
     st = fill(k, v, precision)
     splits = 3 if "split" in name else 1
 
     def run():  # 16-key tiles: 45 keys make three, so the splits happen on a GPU too
-        out = decode_launch.decode(q, st["buf"], st["v_bar"], n, num_splits=splits, **tiles(precision))
-        ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], n)
-        return mismatch(out, ref)
+        for q in qs:
+            out = decode_launch.decode(q, st["buf"], st["v_bar"], n, num_splits=splits, **tiles(precision))
+            ref = kv_reference.decode_attention(q, st["buf"], st["v_bar"], n)
+            if mismatch(out, ref) is not None:
+                return mismatch(out, ref)
+        return None
 
     assert run() is None
     mutant = mutant_module(tmp_path, decode, *MUTATIONS[name])
