@@ -295,9 +295,9 @@ def _fp16_1152_plus(x, STAGED: tl.constexpr):
 
 
 @triton.jit
-def _per_row(x, KEYS_AS_ROWS: tl.constexpr):
-    """A vector over the tile's query rows, broadcast across its keys (the score tile is rows × keys, or with
-    KEYS_AS_ROWS keys × rows)."""
+def _per_query(x, KEYS_AS_ROWS: tl.constexpr):
+    """A vector over the tile's query rows, broadcast across the other axis: the keys of a score tile (query rows ×
+    keys, or with KEYS_AS_ROWS keys × query rows), the channels of an output tile (likewise, channels × query rows)."""
     if KEYS_AS_ROWS:
         return x[None, :]
     else:
@@ -305,12 +305,36 @@ def _per_row(x, KEYS_AS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _per_key(x, KEYS_AS_ROWS: tl.constexpr):
-    """A vector over the tile's keys, broadcast across its query rows (see :func:`_per_row`)."""
+def _per_key_or_channel(x, KEYS_AS_ROWS: tl.constexpr):
+    """A vector over a score tile's keys or an output tile's channels, broadcast across the query rows (see
+    :func:`_per_query`)."""
     if KEYS_AS_ROWS:
         return x[:, None]
     else:
         return x[None, :]
+
+
+@triton.jit
+def _scores(q, k, KEYS_AS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Query rows q (BLOCK_M, C) against keys k (BLOCK_N, C): q · kᵀ, or with KEYS_AS_ROWS k · qᵀ; k converted to
+    q's dtype (exact for the stored integers), or under the interpreter both in fp32 (:func:`_dot_t`)."""
+    if INTERPRET:
+        q = q.to(tl.float32)
+    k = k.to(q.dtype)
+    if KEYS_AS_ROWS:
+        return tl.dot(k, tl.trans(q))
+    else:
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _weighted(p, v, KEYS_AS_ROWS: tl.constexpr):
+    """Weights p (query rows × keys, or with KEYS_AS_ROWS keys × query rows) times values v (BLOCK_N, channels):
+    p · v, or vᵀ · p (the output tile transposed likewise); both already in the dot's dtype."""
+    if KEYS_AS_ROWS:
+        return tl.dot(tl.trans(v), p)
+    else:
+        return tl.dot(p, v)
 
 
 @triton.jit
@@ -332,8 +356,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
     of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
     ``ring_lo`` over a ring of ``ring`` slots.
-    KEYS_AS_ROWS (per-token INT8): the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and Oᵀ += V̂ᵀ · Pᵀ, with
-    q̂'s parts given transposed (D_PAD, BLOCK_M) and ``acc`` as Oᵀ. A decode tile holds few query rows (GQA-4, one
+    KEYS_AS_ROWS: the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and Oᵀ += V̂ᵀ · Pᵀ, with ``acc`` as Oᵀ (and
+    per-token INT8's q̂ parts given transposed, (D_PAD, BLOCK_M)). A decode tile holds few query rows (GQA-4, one
     token: 4), which an mma pads to 16 as its rows but to 8 as its columns: the softmax handles half the elements,
     the tile half the mma's (B8 64k −14 %, B1 128k −11 %: eval/results/decode-warps-*.md)."""
     KEY_AXIS: tl.constexpr = 0 if KEYS_AS_ROWS else 1
@@ -342,7 +366,6 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     if INT4 or G8:  # a grouped tile is one group: its scales, and G8's row dither, are the tile's
         tl.static_assert(BLOCK_N == KV_GROUP)
-        tl.static_assert(not KEYS_AS_ROWS, "grouped tiles keep the query rows as the dots' rows")
     if INT4:
         tl.static_assert(not INT4_DITHERED, "the INT4 tile is read as undithered groups")
         HALF: tl.constexpr = D_PAD // 2
@@ -353,7 +376,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             rows = k_recent_base + (offs_n - recent_lo)[:, None] * stride_rn
             k_lo = tl.load(rows + c[None, :], mask=n_ok[:, None] & lo_ok[None, :], other=0.0)
             k_hi = tl.load(rows + (c + HALF)[None, :], mask=n_ok[:, None] & hi_ok[None, :], other=0.0)
-            qk = _dot_t(q_lo, k_lo, INTERPRET) + _dot_t(q_hi, k_hi, INTERPRET)
+            qk = _scores(q_lo, k_lo, KEYS_AS_ROWS, INTERPRET) + _scores(q_hi, k_hi, KEYS_AS_ROWS, INTERPRET)
         else:  # one group: its scales folded into q, q · zero added to every key's score
             packed = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c >= 0, 0, MASK_N, True)
             group = k_group_base + (start // BLOCK_N) * stride_gg
@@ -367,7 +390,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
                 qs_lo = qf_lo * scale_lo[None, :]
                 qs_hi = qf_hi * scale_hi[None, :]
                 row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :], axis=1)
-                qk = _dot_t(qs_lo, packed & 15, INTERPRET) + _dot_t(qs_hi, (packed >> 4) & 15, INTERPRET)
+                qk = (_scores(qs_lo, packed & 15, KEYS_AS_ROWS, INTERPRET)
+                      + _scores(qs_hi, (packed >> 4) & 15, KEYS_AS_ROWS, INTERPRET))
             else:
                 # bf16 keeps q ⊙ scale's range (fp16 could overflow on outlier channels). The nibbles become bf16
                 # without a conversion instruction: the bits 0x4300 | u are the bf16 of 128 + u (exact, u < 128),
@@ -379,14 +403,15 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
                 k_hi = (((wide >> 4) & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
                 row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :]
                              - 128.0 * (qs_lo.to(tl.float32) + qs_hi.to(tl.float32)), axis=1)
-                qk = tl.dot(qs_lo, tl.trans(k_lo)) + tl.dot(qs_hi, tl.trans(k_hi))
-            qk = qk + row[:, None]
+                qk = (_scores(qs_lo, k_lo, KEYS_AS_ROWS, INTERPRET)
+                      + _scores(qs_hi, k_hi, KEYS_AS_ROWS, INTERPRET))
+            qk = qk + _per_query(row, KEYS_AS_ROWS)
     elif G8:
         c = tl.arange(0, D_PAD)
         if RECENT:
             k = tl.load(k_recent_base + (offs_n - recent_lo)[:, None] * stride_rn + c[None, :],
                         mask=n_ok[:, None] & (c < HEAD_DIM)[None, :], other=0.0)
-            qk = _dot_t(q, k, INTERPRET)
+            qk = _scores(q, k, KEYS_AS_ROWS, INTERPRET)
         else:  # one group: its scales folded into q, q · zero added to every key's score
             u = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
             group = k_group_base + (start // BLOCK_N) * stride_gg
@@ -394,7 +419,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             zero = tl.load(group + HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
             if INTERPRET:
                 qs = q_unit * scale[None, :]
-                qk = _dot_t(qs, u, INTERPRET)
+                qk = _scores(qs, u, KEYS_AS_ROWS, INTERPRET)
                 offset = tl.zeros([BLOCK_N], tl.float32)
             else:
                 # fp16: 11 bits of q̂ ⊙ scale, its rounding 1/8 of the 8-bit values' own; in range, as q̂ is q over
@@ -403,14 +428,15 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
                 # (one dot: a bf16 hi + lo pair in two took 1.4× the time at B8, decode-regs-sweep-*-11-25.md in
                 # eval/results)
                 qs = q_unit * scale.to(tl.float16)[None, :]
-                qk = tl.dot(qs, tl.trans(_fp16_1024_plus(u, False)))
+                qk = _scores(qs, _fp16_1024_plus(u, False), KEYS_AS_ROWS, INTERPRET)
                 offset = tl.full([BLOCK_N], 1024.0, tl.float32)
             if G8_DITHERED:  # key r's values are u − φ_r
                 offset = offset + group_dither(tl.arange(0, BLOCK_N))
             # Σ q̂ ⊙ scale (as the dot took it) and q̂ · zero: one reduction across the tile's threads
             qs_sum, q_zero = tl.split(tl.sum(tl.join(qs.to(tl.float32), q_unit.to(tl.float32) * zero[None, :]),
                                              axis=1))
-            qk = (qk - qs_sum[:, None] * offset[None, :] + q_zero[:, None]) * q_amax[:, None]
+            qk = ((qk - _per_query(qs_sum, KEYS_AS_ROWS) * _per_key_or_channel(offset, KEYS_AS_ROWS)
+                   + _per_query(q_zero, KEYS_AS_ROWS)) * _per_query(q_amax, KEYS_AS_ROWS))
     else:
         c = tl.arange(0, D_PAD)
         k = _load_tile(k_base + offs_n[:, None] * stride_kn + c[None, :], n_ok, c < HEAD_DIM, 0, MASK_N, EVEN_D)
@@ -426,7 +452,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         else:
             k_t = tl.trans(k)
             qk = tl.dot(q_fine, k_t, acc=tl.dot(q_unit, k_t, out_dtype=tl.int32) * 254, out_dtype=tl.int32)
-        qk = qk.to(tl.float32) * _per_row(q_amax, KEYS_AS_ROWS)
+        qk = qk.to(tl.float32) * _per_query(q_amax, KEYS_AS_ROWS)
     if not G8:  # V's per-token scale
         if MASK_N:
             v_scale = tl.load(VS + s_base + offs_n, mask=n_ok, other=0.0)
@@ -439,53 +465,53 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             k_scale = tl.load(KS + s_base + offs_n, mask=n_ok, other=0.0)
         else:
             k_scale = tl.load(KS + s_base + offs_n)
-        s = qk * _per_key(k_scale * score_coef, KEYS_AS_ROWS)
+        s = qk * _per_key_or_channel(k_scale * score_coef, KEYS_AS_ROWS)
     if SOFTCAP:  # tanh(t) = 1 − 2 / (exp(2t) + 1), saturating to ±1 (no tanh in the interpreter's math)
-        t = (s + _per_row(shift, KEYS_AS_ROWS)) / softcap2
+        t = (s + _per_query(shift, KEYS_AS_ROWS)) / softcap2
         s = softcap2 * (1.0 - 2.0 / (tl.math.exp2(t * 2.885390081777927) + 1.0))
     if MASK_N or HAS_KV_RANGE or CAUSAL or WINDOW or CHUNK or RING:
-        key = _per_key(offs_n, KEYS_AS_ROWS)
-        visible = _per_key(n_ok, KEYS_AS_ROWS)
+        key = _per_key_or_channel(offs_n, KEYS_AS_ROWS)
+        visible = _per_key_or_channel(n_ok, KEYS_AS_ROWS)
         if HAS_KV_RANGE:
             visible = visible & (key >= kv_lo)
         if CAUSAL:
-            visible = visible & (key <= _per_row(diag + qi, KEYS_AS_ROWS))
+            visible = visible & (key <= _per_query(diag + qi, KEYS_AS_ROWS))
         if WINDOW:
-            visible = visible & (key > _per_row(diag + qi - window, KEYS_AS_ROWS))
+            visible = visible & (key > _per_query(diag + qi - window, KEYS_AS_ROWS))
         if CHUNK:
-            visible = visible & ((key // chunk_size) == _per_row((diag + qi) // chunk_size, KEYS_AS_ROWS))
+            visible = visible & ((key // chunk_size) == _per_query((diag + qi) // chunk_size, KEYS_AS_ROWS))
         if RING:
             visible = visible & ((key + ring - ring_lo) % ring < ring_count)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=KEY_AXIS))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    p = tl.math.exp2(s - _per_row(m_use, KEYS_AS_ROWS))
+    p = tl.math.exp2(s - _per_query(m_use, KEYS_AS_ROWS))
     alpha = tl.math.exp2(m_i - m_use)
     if G8 and not RECENT:
         # the weights as the group's dot takes them (P ≤ 1: fp16 holds it to 11 bits); their sum, which the zero
         # point's 1024 · scale must cancel exactly, is the denominator's too; with P · φ, one reduction
         p_w = p.to(tl.float16)
-        p_sum, p_phi = tl.split(tl.sum(tl.join(p_w.to(tl.float32), p_w.to(tl.float32)
-                                               * group_dither(tl.arange(0, BLOCK_N))[None, :]), axis=1))
+        dither = _per_key_or_channel(group_dither(tl.arange(0, BLOCK_N)), KEYS_AS_ROWS)
+        p_sum, p_phi = tl.split(tl.sum(tl.join(p_w.to(tl.float32), p_w.to(tl.float32) * dither), axis=KEY_AXIS))
     elif not G8:
         # per-token V: P times each token's largest |V̂| (δV · 127, fp16's normal range), as the dot takes it; V̂ as
         # 1152 + V̂ (_fp16_1152_plus), so 1152 · Σ of these weights comes off the dot; with ΣP, one reduction
-        p_w = (p * _per_key(v_scale * 127.0, KEYS_AS_ROWS)).to(tl.float16)
+        p_w = (p * _per_key_or_channel(v_scale * 127.0, KEYS_AS_ROWS)).to(tl.float16)
         if INTERPRET:
             p_sum = tl.sum(p, axis=KEY_AXIS)
         else:
             p_sum, p_w_sum = tl.split(tl.sum(tl.join(p, p_w.to(tl.float32)), axis=KEY_AXIS))
     else:
-        p_sum = tl.sum(p, axis=1)
+        p_sum = tl.sum(p, axis=KEY_AXIS)
     l_i = l_i * alpha + p_sum
     offs_d = tl.arange(0, D_PAD)
     if G8 and RECENT:  # V − v̄ in full precision
         v = tl.load(v_recent_base + (offs_n - recent_lo)[:, None] * stride_rn + offs_d[None, :],
                     mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
         if INTERPRET:
-            pv = tl.dot(p, v.to(tl.float32))
+            pv = _weighted(p, v.to(tl.float32), KEYS_AS_ROWS)
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = _weighted(p.to(v.dtype), v, KEYS_AS_ROWS)
     elif G8:  # one group: O += (P · u) ⊙ scale + ΣP · zero
         u = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
                        EVEN_D)
@@ -493,28 +519,25 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         scale = tl.load(group + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
         zero = tl.load(group + HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
         if INTERPRET:
-            pv = tl.dot(p_w.to(tl.float32), u.to(tl.float32))
+            pv = _weighted(p_w.to(tl.float32), u.to(tl.float32), KEYS_AS_ROWS)
         else:
             # u as 1024 + u (_fp16_1024_plus): the dot gives P · u + 1024 · ΣP, and the zero point takes
             # 1024 · scale back out
-            pv = tl.dot(p_w, _fp16_1024_plus(u, V_STAGED))
+            pv = _weighted(p_w, _fp16_1024_plus(u, V_STAGED), KEYS_AS_ROWS)
             zero = zero - 1024.0 * scale
         if G8_DITHERED:  # key r's values are u − φ_r: P · φ comes off before the scale
-            pv = pv - p_phi[:, None]
-        pv = pv * scale[None, :] + p_sum[:, None] * zero[None, :]
+            pv = pv - _per_query(p_phi, KEYS_AS_ROWS)
+        pv = (pv * _per_key_or_channel(scale, KEYS_AS_ROWS)
+              + _per_query(p_sum, KEYS_AS_ROWS) * _per_key_or_channel(zero, KEYS_AS_ROWS))
     else:  # per-token INT8 V (its 127 and equalizers σ_V come back in the output, at the end)
         v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
                        EVEN_D)
-        if KEYS_AS_ROWS:  # Oᵀ += V̂ᵀ · Pᵀ
-            if INTERPRET:
-                pv = tl.dot(tl.trans(v.to(tl.float32)), p_w.to(tl.float32))
-            else:
-                pv = tl.dot(tl.trans(_fp16_1152_plus(v, V_STAGED)), p_w) - 1152.0 * p_w_sum[None, :]
-        elif INTERPRET:
-            pv = tl.dot(p_w.to(tl.float32), v.to(tl.float32))
+        if INTERPRET:
+            pv = _weighted(p_w.to(tl.float32), v.to(tl.float32), KEYS_AS_ROWS)
         else:
-            pv = tl.dot(p_w, _fp16_1152_plus(v, V_STAGED)) - 1152.0 * p_w_sum[:, None]
-    acc = acc * _per_row(alpha, KEYS_AS_ROWS) + pv
+            pv = (_weighted(p_w, _fp16_1152_plus(v, V_STAGED), KEYS_AS_ROWS)
+                  - 1152.0 * _per_query(p_w_sum, KEYS_AS_ROWS))
+    acc = acc * _per_query(alpha, KEYS_AS_ROWS) + pv
     return acc, m_new, l_i
 
 
@@ -670,10 +693,11 @@ def decode_kernel(
         vr_base = VR + b * stride_rb + hk * stride_rh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if KEYS_AS_ROWS:  # Oᵀ, and q̂'s parts transposed (_attend_tile)
+    if KEYS_AS_ROWS:  # Oᵀ, and per-token INT8's q̂ parts transposed once (_attend_tile)
         acc = tl.zeros([D_PAD, BLOCK_M], tl.float32)
-        q_unit = tl.trans(q_unit)
-        q_fine = tl.trans(q_fine)
+        if not GROUPED:
+            q_unit = tl.trans(q_unit)
+            q_fine = tl.trans(q_fine)
     else:
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # whole tiles, a partial one, and (grouped formats) the incomplete group's rows: at most one tile, in the split
@@ -696,7 +720,7 @@ def decode_kernel(
                 q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                 s_base, v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
                 score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
-                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True, False)
+                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True, KEYS_AS_ROWS)
 
     if KEYS_AS_ROWS:
         acc = tl.trans(acc)

@@ -149,10 +149,10 @@ MUTATIONS = {
     "sink: v̄ weighted 1, not l / l′": ("(acc + l[:, None] * v_bar[None, :]) / denom[:, None]",
                                         "acc / denom[:, None] + v_bar[None, :]", dict(sinks=True)),
     "sink compared with the smoothed scores": ("sink2 = sink2 - shift", "sink2 = sink2 - 0.0", dict(sinks=True)),
-    "soft-cap of the smoothed score": ("t = (s + _per_row(shift, KEYS_AS_ROWS)) / softcap2", "t = s / softcap2",
+    "soft-cap of the smoothed score": ("t = (s + _per_query(shift, KEYS_AS_ROWS)) / softcap2", "t = s / softcap2",
                                        dict(softcap=2.0)),
-    "window one key too wide": ("_per_row(diag + qi - window, KEYS_AS_ROWS)",
-                                "_per_row(diag + qi - window - 1, KEYS_AS_ROWS)", dict(window=7)),
+    "window one key too wide": ("_per_query(diag + qi - window, KEYS_AS_ROWS)",
+                                "_per_query(diag + qi - window - 1, KEYS_AS_ROWS)", dict(window=7)),
 }
 
 

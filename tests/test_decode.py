@@ -254,15 +254,13 @@ def test_int8_tiles_of_many_rows_keep_four_warps():
 
 
 def test_few_query_rows_put_the_keys_on_the_dots_rows():
-    """INT8 tiles of at most KEYS_AS_ROWS_UP_TO query rows (GQA-4 and GQA-8 decode steps, two tokens of GQA-4) take
-    the keys as the dots' rows, padded to 8 rows; more rows, and the grouped formats, keep the query rows as the
-    dots' rows, padded to 16."""
+    """Tiles of at most KEYS_AS_ROWS_UP_TO query rows (GQA-4 and GQA-8 decode steps, two tokens of GQA-4) take the
+    keys as the dots' rows, padded to 8 rows; more rows keep the query rows as the dots' rows, padded to 16."""
     for groups, nq, rows, keys in ((4, 1, 8, True), (8, 1, 8, True), (2, 1, 8, True), (4, 2, 8, True),
                                    (4, 3, 16, False), (16, 1, 16, False), (4, 16, 64, False)):
         for precision in ("int8", "int4", "int8g"):
             _, plan = decode_launch.plan_decode(precision, (1, 8 * groups, nq, 128), 8, 4096, torch.device("cpu"))
-            expect = (rows, keys) if precision == "int8" else (max(16, rows), False)
-            assert (plan["BLOCK_M"], plan["KEYS_AS_ROWS"]) == expect, (groups, nq, precision, plan)
+            assert (plan["BLOCK_M"], plan["KEYS_AS_ROWS"]) == (rows, keys), (groups, nq, precision, plan)
 
 
 def test_float32_models_plan_fewer_grouped_programs():
@@ -277,7 +275,7 @@ def test_float32_models_plan_fewer_grouped_programs():
             assert shared > 0
             counts[dtype, precision] = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
                                                                        shared)
-    assert counts[torch.bfloat16, "int8g"] == counts[torch.float16, "int8g"] == 3
+    assert counts[torch.bfloat16, "int8g"] == counts[torch.float16, "int8g"] == 4
     assert counts[torch.float32, "int8g"] == 1 and counts[torch.float32, "int4"] < counts[torch.bfloat16, "int4"]
     assert counts[torch.float32, "int8"] == counts[torch.bfloat16, "int8"] == 4
 
@@ -420,27 +418,29 @@ MUTATIONS = {
     "v̄ dropped": ("acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :]", "acc / tl.where(seen, l_i, 1.0)[:, None]"),
     "splits merged unweighted": ("a_t = tl.math.exp2(m_t - m_use)", "a_t = tl.where(row_ok, 1.0, 0.0)"),
     "split merge skips a split": ("for t in range(0, NUM_SPLITS):", "for t in range(1, NUM_SPLITS):"),
-    "int4 row term dropped": ("qk = qk + row[:, None]", "qk = qk + 0.0 * row[:, None]"),
+    "int4 row term dropped": ("qk = qk + _per_query(row, KEYS_AS_ROWS)", "qk = qk + 0.0 * _per_query(row, KEYS_AS_ROWS)"),
     # the interpreter's fp32 path, or the GPU's nibble → bf16 bit trick
     "int4 high nibble signed": (("(packed >> 4) & 15", "(packed >> 4)") if DEVICE == "cpu"
                                 else ("((wide >> 4) & 15)", "(wide >> 4)")),
     "int4 recent tokens skipped": ("for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):",
                                    "for start in range(hi, hi, BLOCK_N):"),
-    "int8g V zero point dropped": ("p_sum[:, None] * zero[None, :]", "0.0 * p_sum[:, None] * zero[None, :]"),
-    "int8g K zero point dropped": ("+ q_zero[:, None]) * q_amax", ") * q_amax"),
-    "int8g K row scale dropped": ("q_zero[:, None]) * q_amax[:, None]", "q_zero[:, None])"),
+    "int8g V zero point dropped": ("+ _per_query(p_sum, KEYS_AS_ROWS) * _per_key_or_channel(zero",
+                                   "+ 0.0 * _per_query(p_sum, KEYS_AS_ROWS) * _per_key_or_channel(zero"),
+    "int8g K zero point dropped": ("+ _per_query(q_zero, KEYS_AS_ROWS)) * _per_query(q_amax",
+                                   ") * _per_query(q_amax"),
+    "int8g K row scale dropped": ("* _per_query(q_amax, KEYS_AS_ROWS))", "* 1.0)"),
     "int8g K fp16 offset wrong (GPU)": ("offset = tl.full([BLOCK_N], 1024.0, tl.float32)",
                                         "offset = tl.full([BLOCK_N], 1000.0, tl.float32)"),
-    "int8g V scale dropped": ("pv = pv * scale[None, :]", "pv = pv * 0.01"),
+    "int8g V scale dropped": ("(pv * _per_key_or_channel(scale, KEYS_AS_ROWS)", "(pv * 0.01"),
     "K's equalizers not folded into q": ("q_unit = q_unit * tl.load(K_EQ", "q_unit = q_unit + 0.0 * tl.load(K_EQ"),
     "V's equalizers dropped": ("v_eq = tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)",
                                "v_eq = 1.0 + 0.0 * tl.load(V_EQ + bh * HEAD_DIM + offs_d, mask=d_ok, other=0.0)"),
-    "per-token V's 127 dropped": ("_per_key(v_scale * 127.0, KEYS_AS_ROWS)", "_per_key(v_scale, KEYS_AS_ROWS)"),
+    "per-token V's 127 dropped": ("_per_key_or_channel(v_scale * 127.0, KEYS_AS_ROWS)",
+                                  "_per_key_or_channel(v_scale, KEYS_AS_ROWS)"),
     "per-token K: q's two parts joined wrong (GPU)": ("k_t, out_dtype=tl.int32) * 254,", "k_t, out_dtype=tl.int32),"),
-    "per-token V's fp16 offset wrong (GPU)": ("- 1152.0 * p_w_sum[:, None]", "- 1100.0 * p_w_sum[:, None]"),
+    "per-token V's fp16 offset wrong (GPU)": ("- 1152.0 * _per_query(p_w_sum", "- 1100.0 * _per_query(p_w_sum"),
     "keys as rows: q's two parts joined wrong (GPU)": ("q_unit, out_dtype=tl.int32) * 254,",
                                                        "q_unit, out_dtype=tl.int32),"),
-    "keys as rows: V's fp16 offset wrong (GPU)": ("- 1152.0 * p_w_sum[None, :]", "- 1100.0 * p_w_sum[None, :]"),
 }
 
 
@@ -472,7 +472,7 @@ def test_mutants_fail_the_check(seed, tmp_path, monkeypatch, name):
 
 DITHER_MUTATIONS = {
     "K": ("offset = offset + group_dither(tl.arange(0, BLOCK_N))", "offset = offset"),
-    "V": ("pv = pv - p_phi[:, None]", "pv = pv - 0.0 * p_phi[:, None]"),
+    "V": ("pv = pv - _per_query(p_phi, KEYS_AS_ROWS)", "pv = pv - 0.0 * _per_query(p_phi, KEYS_AS_ROWS)"),
 }
 
 
