@@ -261,16 +261,6 @@ def _load_tile(ptrs, n_ok, col_ok, other, MASK_N: tl.constexpr, EVEN: tl.constex
 
 
 @triton.jit
-def _dot_t(a, b, INTERPRET: tl.constexpr):
-    """a · bᵀ, fp32 accumulate: b converted to a's dtype (exact for integers ≤ 255), or under the interpreter
-    both in fp32 (its bf16 dot and int8 → bf16 cast are wrong in 3.9; fp32 is exact)."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
-    else:
-        return tl.dot(a, tl.trans(b.to(a.dtype)))
-
-
-@triton.jit
 def _fp16_1024_plus(u, STAGED: tl.constexpr):
     """1024 + u in fp16 for u ∈ [0, 255] (exact) without a conversion instruction: the bits 0x6400 | u, one byte
     permute (``prmt``) for two values; Triton's own int16 or + bitcast takes three instructions a pair (10 % of a G8
@@ -316,8 +306,9 @@ def _per_key_or_channel(x, KEYS_AS_ROWS: tl.constexpr):
 
 @triton.jit
 def _scores(q, k, KEYS_AS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Query rows q (BLOCK_M, C) against keys k (BLOCK_N, C): q · kᵀ, or with KEYS_AS_ROWS k · qᵀ; k converted to
-    q's dtype (exact for the stored integers), or under the interpreter both in fp32 (:func:`_dot_t`)."""
+    """Query rows q (BLOCK_M, C) against keys k (BLOCK_N, C): q · kᵀ, or with KEYS_AS_ROWS k · qᵀ, fp32 accumulate;
+    k converted to q's dtype (exact for the stored integers ≤ 255), or under the interpreter both in fp32 (its bf16
+    dot and int8 → bf16 cast are wrong in Triton 3.9; fp32 is exact)."""
     if INTERPRET:
         q = q.to(tl.float32)
     k = k.to(q.dtype)
@@ -359,7 +350,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     KEYS_AS_ROWS: the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and Oᵀ += V̂ᵀ · Pᵀ, with ``acc`` as Oᵀ (and
     per-token INT8's q̂ parts given transposed, (D_PAD, BLOCK_M)). A decode tile holds few query rows (GQA-4, one
     token: 4), which an mma pads to 16 as its rows but to 8 as its columns: the softmax handles half the elements,
-    the tile half the mma's (B8 64k −14 %, B1 128k −11 %: eval/results/decode-warps-*.md)."""
+    the tile half the mma's (what it measured: decode_launch's KEYS_AS_ROWS_UP_TO)."""
     KEY_AXIS: tl.constexpr = 0 if KEYS_AS_ROWS else 1
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
@@ -386,7 +377,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             zero_hi = tl.load(group + HEAD_DIM + c + HALF, mask=hi_ok, other=0.0).to(tl.float32)
             qf_lo = q_lo.to(tl.float32)
             qf_hi = q_hi.to(tl.float32)
-            if INTERPRET:  # fp32 (see _dot_t)
+            if INTERPRET:  # fp32 (see _scores)
                 qs_lo = qf_lo * scale_lo[None, :]
                 qs_hi = qf_hi * scale_hi[None, :]
                 row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :], axis=1)
@@ -444,11 +435,12 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         # conversion of K; exact in int32 (|254 · q_unit · K̂ + q_fine · K̂| ≤ 255 · 127² · D < 2^31 for D ≤ 256)
         if KEYS_AS_ROWS:  # q_unit, q_fine: (D_PAD, BLOCK_M)
             if INTERPRET:
-                qk = 254.0 * _dot_t(k, tl.trans(q_unit), INTERPRET) + _dot_t(k, tl.trans(q_fine), INTERPRET)
+                qk = (254.0 * _scores(tl.trans(q_unit), k, True, INTERPRET)
+                      + _scores(tl.trans(q_fine), k, True, INTERPRET))
             else:
                 qk = tl.dot(k, q_fine, acc=tl.dot(k, q_unit, out_dtype=tl.int32) * 254, out_dtype=tl.int32)
         elif INTERPRET:
-            qk = 254.0 * _dot_t(q_unit, k, INTERPRET) + _dot_t(q_fine, k, INTERPRET)
+            qk = 254.0 * _scores(q_unit, k, False, INTERPRET) + _scores(q_fine, k, False, INTERPRET)
         else:
             k_t = tl.trans(k)
             qk = tl.dot(q_fine, k_t, acc=tl.dot(q_unit, k_t, out_dtype=tl.int32) * 254, out_dtype=tl.int32)
