@@ -712,7 +712,8 @@ def decode_kernel(
                 q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                 s_base, v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,
                 score_coef, shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N,
-                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True, KEYS_AS_ROWS)
+                INT4, G8, CAUSAL, HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, True,
+                KEYS_AS_ROWS)
 
     if KEYS_AS_ROWS:
         acc = tl.trans(acc)

@@ -449,7 +449,8 @@ MUTATIONS = {
     "v̄ dropped": ("acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :]", "acc / tl.where(seen, l_i, 1.0)[:, None]"),
     "splits merged unweighted": ("a_t = tl.math.exp2(m_t - m_use)", "a_t = tl.where(row_ok, 1.0, 0.0)"),
     "split merge skips a split": ("for t in range(0, NUM_SPLITS):", "for t in range(1, NUM_SPLITS):"),
-    "int4 row term dropped": ("qk = qk + _per_query(row, KEYS_AS_ROWS)", "qk = qk + 0.0 * _per_query(row, KEYS_AS_ROWS)"),
+    "int4 row term dropped": ("qk = qk + _per_query(row, KEYS_AS_ROWS)",
+                              "qk = qk + 0.0 * _per_query(row, KEYS_AS_ROWS)"),
     # the interpreter's fp32 path, or the GPU's nibble → bf16 bit trick
     "int4 high nibble signed": (("(packed >> 4) & 15", "(packed >> 4)") if DEVICE == "cpu"
                                 else ("((wide >> 4) & 15)", "(wide >> 4)")),
