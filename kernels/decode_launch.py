@@ -256,7 +256,8 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
     b, hq, nq, d = q_shape
     interp = tuning.interpreting() if interpreting is None else interpreting
     on_cpu = interp or device.type != "cuda"
-    step_launch = _default_launch(precision, tuning.padded_head_dim(d), on_cpu)
+    d_pad = tuning.padded_head_dim(d)
+    step_launch = _default_launch(precision, d_pad, on_cpu)
     _, rows, keys_as_rows = tile_rows(hq // hk, nq, on_cpu, step_launch.get("KEYS_AS_ROWS_UP_TO", 0))
     options = kernel_options(precision, d, on_cpu, rows=rows, num_warps=num_warps, num_stages=num_stages,
                              maxnreg=maxnreg)
@@ -265,7 +266,7 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
     shared = default_shared_bytes(precision, d, on_cpu, cache_dtype) if default_launch and rows <= 16 else 0
     if precision in ("int4", "int8g"):
         block_n = GROUP  # a group a tile
-    launch = _default_launch(precision, tuning.padded_head_dim(d), on_cpu, rows)
+    launch = _default_launch(precision, d_pad, on_cpu, rows)
     plan = plan_launch(b, hk, hq // hk, nq, nk, device, options, block_n=block_n, num_splits=num_splits,
                        waves=waves, interpreting=interp, shared=shared, max_splits=launch.get("MAX_SPLITS"),
                        block_m=rows)
