@@ -108,11 +108,10 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 # KEYS_AS_ROWS_UP_TO: tiles of at most this many query rows (a decode step of GQA ≤ 8) take the keys as the dots'
 #   rows and the query rows as their columns, which an mma pads to 8 where it pads rows to 16: half the softmax's
 #   elements and half the mma's of the 16-row tile. INT8 (one warp, d128: 1,259 → 928 instructions a tile, no spill
-#   reloads in the loop): B8 64k −16 %, B1 128k −10 % a step (H200, decode-warps-*-2026-11-28.md section 6). The
-#   grouped formats' tiles do it too (tests/test_decode.py forces it) but their launches do not set it: int8g
-#   measured 390 µs a B8 64k step against 465 shipped (−16 %), but its GPU correctness has not run yet (the one
-#   GPU-suite run with it on ended on a failure its time limit left unnamed); INT4 +45 % (its nibbles converted
-#   into the dot's A operand: 202 → 375 byte permutes a tile).
+#   reloads in the loop): B8 64k −16 %, B1 128k −10 % a step (H200, decode-warps-*-2026-11-28.md section 6).
+#   int8g (two warps) likewise: B8 64k 391–398 µs against 465–470 with the rows tile (−16 %), B1 128k −32 %, d64
+#   −7 % (section 6b). INT4's tile can do it (tests/test_decode.py forces it) but its launch does not set it:
+#   +45 % (its nibbles converted into the dot's A operand: 202 → 375 byte permutes a tile).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
 #   those tiles keep the four warps capped at 128 of before (not re-measured).
@@ -120,9 +119,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
 #   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; INT8's 16-row tile takes
 #   54,272 bytes there, four programs too); not listed: registers only. The INT4 and int8g recent-token
-#   tiles are kept in the model's floats, so a float32 model's programs take more (int8g d128: 140 KB, one an SM;
-#   16-bit: 70 KB, three); INT8 has no such tile. (With the keys as the dots' rows, offline: int8g d64 / d128 26,624
-#   / 52,224 bytes, four programs an SM at d128; INT4 27,136 / 52,736; float32 69,696 / 137,280 and 44,544 / 87,552.)
+#   tiles are kept in the model's floats, so a float32 model's programs take more (int8g d128: 137 KB, one an SM;
+#   16-bit: 52 KB, four); INT8 has no such tile. (INT4 with the keys as the dots' rows, offline: 27,136 / 52,736,
+#   float32 44,544 / 87,552.)
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
