@@ -275,6 +275,22 @@ def _fp16_1024_plus(u, STAGED: tl.constexpr):
 
 
 @triton.jit
+def _bf16_128_plus_nibble(packed, SHIFT: tl.constexpr):
+    """128 + u in bf16 for the nibble u of each byte of INT4's packed K at bit SHIFT (0: low, 4: high), exact: the
+    bits 0x4300 | u. Four bytes a word: a shift (high nibbles), one ``and``, and a byte permute for each two values;
+    Triton's own widening to int16, ``and`` and ``or`` took 3.7 instructions a value (offline sm_90 build, d128)."""
+    if SHIFT == 0:
+        out = tl.inline_asm_elementwise("{.reg .b32 t; and.b32 t, $2, 0x0F0F0F0F; prmt.b32 $0, t, 0x43434343, 0x4140; "
+                                        "prmt.b32 $1, t, 0x43434343, 0x4342;}",
+                                        "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        out = tl.inline_asm_elementwise("{.reg .b32 t; shr.u32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F; "
+                                        "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342;}",
+                                        "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
 def _fp16_1152_plus(x, STAGED: tl.constexpr):
     """1152 + x in fp16 for int8 x (exact): x + 128 is x with its top bit flipped (one ``xor`` for four values), then
     as :func:`_fp16_1024_plus` (and STAGED as there). ``cvt`` from int8 to fp16 runs on the quarter-rate unit that
@@ -319,6 +335,15 @@ def _scores(q, k, KEYS_AS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _scores_as_given(q, k, KEYS_AS_ROWS: tl.constexpr):
+    """As :func:`_scores` with q already as the dot takes it, (C, BLOCK_M) with KEYS_AS_ROWS, and k in its dtype."""
+    if KEYS_AS_ROWS:
+        return tl.dot(k, q)
+    else:
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _weighted(p, v, KEYS_AS_ROWS: tl.constexpr):
     """Weights p (query rows × keys, or with KEYS_AS_ROWS keys × query rows) times values v (BLOCK_N, channels):
     p · v, or vᵀ · p (the output tile transposed likewise); both already in the dot's dtype."""
@@ -338,7 +363,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, RING: tl.constexpr,
                  V_STAGED: tl.constexpr, MASK_N: tl.constexpr, RECENT: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     """One tile of BLOCK_N cached tokens folded into (acc, m_i, l_i). MASK_N: the tile may run past ``hi``.
-    INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K (q in two halves, ``q_lo`` and ``q_hi``) / of
+    INT4 / G8: the tile is one group (BLOCK_N = G) of packed 4-bit K (q in two halves, ``q_lo`` and ``q_hi``, and
+    in fp32 as ``q_unit`` and ``q_fine``, transposed with KEYS_AS_ROWS) / of
     8-bit K and V (q as ``q_unit`` · ``q_amax``: q over its row's largest |q|, and that), or with RECENT the
     incomplete group's tokens from ``k_recent_base`` (and G8's V from ``v_recent_base``; slot ``recent_lo`` is
     their row 0). Per-token INT8 K: q as two INT8 parts ``q_unit`` and ``q_fine`` (decode_kernel) times ``q_amax``.
@@ -352,6 +378,7 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     token: 4), which an mma pads to 16 as its rows but to 8 as its columns: the softmax handles half the elements,
     the tile half the mma's (what it measured: decode_launch's KEYS_AS_ROWS_UP_TO)."""
     KEY_AXIS: tl.constexpr = 0 if KEYS_AS_ROWS else 1
+    CHANNEL_AXIS: tl.constexpr = KEY_AXIS  # of INT4's q halves in fp32 (q_unit, q_fine), oriented as the dots take q
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
@@ -375,27 +402,24 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             scale_hi = tl.load(group + c + HALF, mask=hi_ok, other=0.0).to(tl.float32)
             zero_lo = tl.load(group + HEAD_DIM + c, mask=lo_ok, other=0.0).to(tl.float32)
             zero_hi = tl.load(group + HEAD_DIM + c + HALF, mask=hi_ok, other=0.0).to(tl.float32)
-            qf_lo = q_lo.to(tl.float32)
-            qf_hi = q_hi.to(tl.float32)
+            # q's halves in fp32 as q_unit (low) and q_fine (high), (channels, query rows) with KEYS_AS_ROWS
+            qs_lo = q_unit * _per_key_or_channel(scale_lo, KEYS_AS_ROWS)
+            qs_hi = q_fine * _per_key_or_channel(scale_hi, KEYS_AS_ROWS)
+            row = q_unit * _per_key_or_channel(zero_lo, KEYS_AS_ROWS) + q_fine * _per_key_or_channel(zero_hi,
+                                                                                                   KEYS_AS_ROWS)
             if INTERPRET:  # fp32 (see _scores)
-                qs_lo = qf_lo * scale_lo[None, :]
-                qs_hi = qf_hi * scale_hi[None, :]
-                row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :], axis=1)
-                qk = (_scores(qs_lo, packed & 15, KEYS_AS_ROWS, INTERPRET)
-                      + _scores(qs_hi, (packed >> 4) & 15, KEYS_AS_ROWS, INTERPRET))
+                qk = (_scores_as_given(qs_lo, (packed & 15).to(tl.float32), KEYS_AS_ROWS)
+                      + _scores_as_given(qs_hi, ((packed >> 4) & 15).to(tl.float32), KEYS_AS_ROWS))
             else:
                 # bf16 keeps q ⊙ scale's range (fp16 could overflow on outlier channels). The nibbles become bf16
-                # without a conversion instruction: the bits 0x4300 | u are the bf16 of 128 + u (exact, u < 128),
-                # so the dot gives Σ qs·u + 128·Σ qs, and the row term takes the 128·Σ qs back out.
-                qs_lo = (qf_lo * scale_lo[None, :]).to(tl.bfloat16)
-                qs_hi = (qf_hi * scale_hi[None, :]).to(tl.bfloat16)
-                wide = packed.to(tl.int16)
-                k_lo = ((wide & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
-                k_hi = (((wide >> 4) & 15) | 0x4300).to(tl.bfloat16, bitcast=True)
-                row = tl.sum(qf_lo * zero_lo[None, :] + qf_hi * zero_hi[None, :]
-                             - 128.0 * (qs_lo.to(tl.float32) + qs_hi.to(tl.float32)), axis=1)
-                qk = (_scores(qs_lo, k_lo, KEYS_AS_ROWS, INTERPRET)
-                      + _scores(qs_hi, k_hi, KEYS_AS_ROWS, INTERPRET))
+                # without a conversion instruction (_bf16_128_plus_nibble), so the dot gives Σ qs·u + 128·Σ qs, and
+                # the row term takes the 128·Σ qs back out.
+                qs_lo = qs_lo.to(tl.bfloat16)
+                qs_hi = qs_hi.to(tl.bfloat16)
+                row = row - 128.0 * (qs_lo.to(tl.float32) + qs_hi.to(tl.float32))
+                qk = (_scores_as_given(qs_lo, _bf16_128_plus_nibble(packed, 0), KEYS_AS_ROWS)
+                      + _scores_as_given(qs_hi, _bf16_128_plus_nibble(packed, 4), KEYS_AS_ROWS))
+            row = tl.sum(row, axis=CHANNEL_AXIS)
             qk = qk + _per_query(row, KEYS_AS_ROWS)
     elif G8:
         c = tl.arange(0, D_PAD)
@@ -595,6 +619,8 @@ def decode_kernel(
     q_amax = tl.full([BLOCK_M], 1.0, tl.float32)
     q_unit = q.to(tl.float32)
     q_fine = q_unit
+    if INT4:  # q's two halves in fp32, which the whole groups' tiles scale (_attend_tile)
+        q_fine = q_hi.to(tl.float32)
     if not GROUPED:
         q_unit = q_unit * tl.load(K_EQ + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
     if not INT4:
@@ -685,9 +711,9 @@ def decode_kernel(
         vr_base = VR + b * stride_rb + hk * stride_rh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if KEYS_AS_ROWS:  # Oᵀ, and per-token INT8's q̂ parts transposed once (_attend_tile)
+    if KEYS_AS_ROWS:  # Oᵀ, and per-token INT8's q̂ parts (INT4's q halves in fp32) transposed once (_attend_tile)
         acc = tl.zeros([D_PAD, BLOCK_M], tl.float32)
-        if not GROUPED:
+        if not G8:
             q_unit = tl.trans(q_unit)
             q_fine = tl.trans(q_fine)
     else:

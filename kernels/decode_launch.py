@@ -97,31 +97,30 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 # launch (head dims up to WIDE_ABOVE): warps and register cap by format. INT8 runs one warp a program (no
 #   cross-warp reductions in a tile's softmax; 255 registers, four programs an SM by shared memory): B8 64k −15 %
 #   against four warps; int8g two warps without a cap (three an SM: −7 to −10 %). What bounds the one-warp step is
-#   open: the per-token scales in each tile's chain cost 10–13 % of a long step, not by their bytes. INT4 keeps four
-#   warps capped at 168 (its tile spills at 128: decode-regs-sweep-…-2026-11-25.md); one or two warps are slower,
-#   also with K's nibbles staged or dequantized as loaded (decode-warps-NVIDIA-H200-2026-11-28.md, sections 3, 5).
+#   open: the per-token scales in each tile's chain cost 10–13 % of a long step, not by their bytes. INT4 one warp
+#   too, since its nibbles become bf16 by byte permutes (kernels/decode.py _bf16_128_plus_nibble; a tile's warp
+#   instructions 3,036 → 1,321, offline): B8 64k 313 µs against 456 with four warps capped at 168 (−31 %), B1 128k
+#   −26 %, d64 −25 % (two warps there: −42 %, not taken; decode-warps-NVIDIA-H200-2026-11-28.md section 7).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
-# V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 (−10 to −12 % a step at one warp) and int8g up to WIDE_ABOVE
-#   (INT4's four warps: not measured).
+# V_STAGED (kernels/decode.py _fp16_1024_plus): INT8 (−10 to −12 % a step at one warp), INT4 (at one warp its V
+#   unstaged spills 2 KB, offline) and int8g up to WIDE_ABOVE.
 # KEYS_AS_ROWS_UP_TO: tiles of at most this many query rows (a decode step of GQA ≤ 8) take the keys as the dots'
 #   rows and the query rows as their columns, which an mma pads to 8 where it pads rows to 16: half the softmax's
 #   elements and half the mma's of the 16-row tile. INT8 (one warp, d128: 1,259 → 928 instructions a tile, no spill
 #   reloads in the loop): B8 64k −16 %, B1 128k −10 % a step (H200, decode-warps-*-2026-11-28.md section 6).
 #   int8g (two warps) likewise: B8 64k 391–398 µs against 465–470 with the rows tile (−16 %), B1 128k −32 %, d64
-#   −7 % (section 6b). INT4's tile can do it (tests/test_decode.py forces it) but its launch does not set it:
-#   +45 % (its nibbles converted into the dot's A operand: 202 → 375 byte permutes a tile).
+#   −7 % (section 6b); INT4 at one warp (above).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
-#   those tiles keep the four warps capped at 128 of before (not re-measured).
+#   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168, V unstaged.
 # SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
 #   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; INT8's 16-row tile takes
 #   54,272 bytes there, four programs too); not listed: registers only. The INT4 and int8g recent-token
 #   tiles are kept in the model's floats, so a float32 model's programs take more (int8g d128: 137 KB, one an SM;
-#   16-bit: 52 KB, four); INT8 has no such tile. (INT4 with the keys as the dots' rows, offline: 27,136 / 52,736,
-#   float32 44,544 / 87,552.)
+#   16-bit: 52 KB, four); INT8 has no such tile.
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 

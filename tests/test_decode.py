@@ -254,36 +254,21 @@ def test_int8_tiles_of_many_rows_keep_four_warps():
 
 
 def test_few_query_rows_put_the_keys_on_the_dots_rows():
-    """INT8 and int8g tiles of at most KEYS_AS_ROWS_UP_TO query rows (GQA-4 and GQA-8 decode steps, two tokens of
-    GQA-4) take the keys as the dots' rows, padded to 8 rows; more rows, and INT4 (its launch sets no
-    KEYS_AS_ROWS_UP_TO), keep the query rows as the dots' rows, padded to 16."""
+    """Tiles of at most KEYS_AS_ROWS_UP_TO query rows (GQA-4 and GQA-8 decode steps, two tokens of GQA-4) take the
+    keys as the dots' rows, padded to 8 rows, in every format; more rows keep the query rows as the dots' rows,
+    padded to 16."""
     for groups, nq, rows, keys in ((4, 1, 8, True), (8, 1, 8, True), (2, 1, 8, True), (4, 2, 8, True),
                                    (4, 3, 16, False), (16, 1, 16, False), (4, 16, 64, False)):
         for precision in ("int8", "int4", "int8g"):
             _, plan = decode_launch.plan_decode(precision, (1, 8 * groups, nq, 128), 8, 4096, torch.device("cpu"))
-            expect = (rows, keys) if precision != "int4" else (max(16, rows), False)
-            assert (plan["BLOCK_M"], plan["KEYS_AS_ROWS"]) == expect, (groups, nq, precision, plan)
-
-
-@pytest.fixture
-def grouped_keys_as_rows(monkeypatch):
-    """The grouped formats' launches with KEYS_AS_ROWS_UP_TO 8 (int8g's as shipped; INT4's not: see decode_launch's
-    comment)."""
-    on_cpu = DEVICE == "cpu" or tuning.interpreting()
-    for precision in ("int4", "int8g"):
-        monkeypatch.setitem(tuning.decode_config(on_cpu)["launch"][precision], "KEYS_AS_ROWS_UP_TO", 8)
-    decode_launch._default_launch.cache_clear()
-    yield
-    monkeypatch.undo()
-    decode_launch._default_launch.cache_clear()
+            assert (plan["BLOCK_M"], plan["KEYS_AS_ROWS"]) == (rows, keys), (groups, nq, precision, plan)
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8g"])
 @pytest.mark.parametrize("nq,causal", [(1, False), (2, True)])
-def test_grouped_tiles_with_the_keys_as_rows_match_the_reference(seed, grouped_keys_as_rows, precision, nq, causal):
-    """The grouped formats' tiles with the keys as the dots' rows (the orientation INT8 and int8g ship; for INT4
-    built and measured, not shipped) against the reference: whole groups, the incomplete group's recent tokens, the
-    split merge, a causal diagonal over two query tokens."""
+def test_grouped_tiles_with_the_keys_as_rows_match_the_reference(seed, precision, nq, causal):
+    """The grouped formats' tiles with the keys as the dots' rows against the reference: whole groups, the
+    incomplete group's recent tokens, the split merge, a causal diagonal over two query tokens."""
     k, v = outlier_kv(2, 2, 141, 64)
     st = fill(k, v, precision)
     q = torch.randn(2, 8, nq, 64, device=DEVICE, dtype=k.dtype)
@@ -452,9 +437,9 @@ MUTATIONS = {
     "split merge skips a split": ("for t in range(0, NUM_SPLITS):", "for t in range(1, NUM_SPLITS):"),
     "int4 row term dropped": ("qk = qk + _per_query(row, KEYS_AS_ROWS)",
                               "qk = qk + 0.0 * _per_query(row, KEYS_AS_ROWS)"),
-    # the interpreter's fp32 path, or the GPU's nibble → bf16 bit trick
-    "int4 high nibble signed": (("(packed >> 4) & 15", "(packed >> 4)") if DEVICE == "cpu"
-                                else ("((wide >> 4) & 15)", "(wide >> 4)")),
+    # the interpreter's fp32 path, or the GPU's nibble → bf16 bit trick (the high nibble with the next byte's low one)
+    "int4 high nibble unmasked": (("(packed >> 4) & 15", "(packed >> 4)") if DEVICE == "cpu"
+                                  else ("shr.u32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;", "shr.u32 t, $2, 4;")),
     "int4 recent tokens skipped": ("for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):",
                                    "for start in range(hi, hi, BLOCK_N):"),
     "int8g V zero point dropped": ("+ _per_query(p_sum, KEYS_AS_ROWS) * _per_key_or_channel(zero",
