@@ -100,7 +100,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   open: the per-token scales in each tile's chain cost 10–13 % of a long step, not by their bytes. INT4 one warp
 #   too, since its nibbles become bf16 by byte permutes (kernels/decode.py _bf16_128_plus_nibble; a tile's warp
 #   instructions 3,036 → 1,321, offline): B8 64k 313 µs against 456 with four warps capped at 168 (−31 %), B1 128k
-#   −26 %, d64 −25 % (two warps there: −42 %, not taken; decode-warps-NVIDIA-H200-2026-11-28.md section 7).
+#   −26 %; at d64 two warps (BY_HEAD_DIM: a format's launch for one padded head dim): −42 % against −25 % with one
+#   (decode-warps-NVIDIA-H200-2026-11-28.md section 7). Two stages (more programs an SM by shared memory): INT8
+#   +4 % at B8 64k, INT4 +7 % (section 7).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
@@ -208,6 +210,7 @@ def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 
     step's host path asks for it)."""
     settings = tuning.decode_config(interpreting)
     launch = settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
+    launch = {**launch, **launch.get("BY_HEAD_DIM", {}).get(str(d_pad), {})}
     return {**launch, **launch["MORE_ROWS"]} if rows > 16 and "MORE_ROWS" in launch else launch
 
 

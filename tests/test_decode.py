@@ -280,6 +280,15 @@ def test_grouped_tiles_with_the_keys_as_rows_match_the_reference(seed, precision
         assert mismatch(out, ref) is None, (splits, mismatch(out, ref))
 
 
+def test_a_formats_launch_can_change_at_one_head_dim():
+    """kernels.json's BY_HEAD_DIM: INT4 runs two warps at head dim 64 (and 33–64, padded), one at 128; tiles of more
+    than 16 rows still take MORE_ROWS' launch at any head dim."""
+    for d, warps in ((64, 2), (48, 2), (128, 1), (96, 1)):
+        assert decode_launch.kernel_options("int4", d, False)["num_warps"] == warps, d
+        assert decode_launch.kernel_options("int4", d, False, rows=32)["num_warps"] == 4, d
+    assert decode_launch.kernel_options("int8", 64, False)["num_warps"] == 1
+
+
 def test_float32_models_plan_fewer_grouped_programs():
     """A float32 model's INT4 / int8g recent-token tiles take twice the shared memory: its plan counts the programs
     an SM holds by kernels.json's 32-bit row (int8g d128: one, where a 16-bit model's hold four); INT8 keeps no
