@@ -1,6 +1,14 @@
-"""Compile the attention kernel for a GPU target on any machine (no GPU needed) and report its resources.
+"""Compile the attention kernel or the decode kernel for a GPU target on any machine (no GPU needed) and report its
+resources.
 
     python eval/inspect_kernel.py [--arch 90] [--d 128] [--block-m 64] [--block-n 128] [--warps 4] [--stages 3]
+    python eval/inspect_kernel.py --decode int4 [--d 64] [--groups 4] [--nq 1] [--model-dtype fp32]
+                                  [--warps 2] [--stages 2] [--maxnreg 128] [--rows-tile] [--no-v-staged]
+
+The decode kernel builds with kernels.json's launch for that cache format and head dim (``decode_launch``) unless
+overridden, one split of a step over the cache (several splits, no variant switches); ``--rows-tile``: the query
+rows as the dots' rows whatever KEYS_AS_ROWS_UP_TO says. Its report adds each loop of the SASS (a backward branch
+closes one) with its instruction count: the main loop's is a key tile's cost.
 
 Prints registers, spills, shared memory and a count of the instructions that matter in the SASS
 (tensor-core MMAs, exp2, int→float conversions, shared-memory traffic), so tile and code changes
@@ -52,6 +60,68 @@ def compile_attention(arch, d, block_m, block_n, warps, stages, causal=False, v_
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_decode(arch, precision, d, groups, nq, model_dtype="bf16", warps=None, stages=None, maxnreg=None,
+                   rows_tile=False, v_staged=None):
+    """decode_kernel for a ``precision`` cache ("int8", "int4", "int8g") of head dim ``d`` under a GQA group of
+    ``groups`` query heads, ``nq`` query tokens a step; the launch kernels.json gives unless overridden."""
+    from hf_qattn.kernels import decode_launch
+    from hf_qattn.kernels.decode import decode_kernel
+
+    d_pad = max(32, 1 << (d - 1).bit_length())
+    launch = decode_launch._default_launch(precision, d_pad, False)
+    qt, rows, keys_as_rows = decode_launch.tile_rows(groups, nq, False, 0 if rows_tile else
+                                                     launch.get("KEYS_AS_ROWS_UP_TO", 0))
+    options = decode_launch.kernel_options(precision, d, False, rows=rows, num_warps=warps, num_stages=stages,
+                                           maxnreg=maxnreg)
+    staged = decode_launch._default_launch(precision, d_pad, False, rows).get("V_STAGED", False)
+    grouped, g8 = precision in ("int4", "int8g"), precision == "int8g"
+    floats = f"*{model_dtype}"
+    pointers = {"Q": floats, "KQ": "*u8" if g8 else "*i8", "KS": "*bf16" if grouped else "*fp32",
+                "VQ": "*u8" if g8 else "*i8", "VS": "*bf16" if g8 else "*fp32", "KR": floats, "VR": floats,
+                "V_BAR": "*fp32", "K_EQ": "*bf16", "V_EQ": "*bf16", "O": floats, "PART_O": "*fp32",
+                "PART_M": "*fp32", "PART_L": "*fp32", "COUNTER": "*i32"}
+    constexprs = {"KV_START": None, "KV_END": None, "LEN": None, "K_BAR": None, "SINKS": None, "stride_qd": 1,
+                  "stride_od": 1, "GROUPS": groups, "QT": qt, "HEAD_DIM": d, "D_PAD": d_pad, "BLOCK_M": rows,
+                  "BLOCK_N": 64, "INT4": precision == "int4", "G8": g8, "CAUSAL": nq > 1, "HAS_KV_RANGE": False,
+                  "SPLIT": True, "INTERPRET": False, "DEVICE_LEN": False, "SOFTCAP": False, "HAS_SINKS": False,
+                  "WINDOW": False, "CHUNK": False, "RING": False,
+                  "V_STAGED": staged if v_staged is None else v_staged, "KEYS_AS_ROWS": keys_as_rows}
+    names = decode_kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("score_coef", "softcap2")
+                                                                     else "i32") for n in names}
+    # pointers 16-byte aligned, strides multiples of 16 (contiguous rows of a head dim ≥ 32), as a cache's
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or (n.startswith("stride") and n not in constexprs)}
+    src = ASTSource(decode_kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_stages": 3, **options})
+
+
+def loops(sass: str) -> list:
+    """(first address, instructions, local loads, the commonest opcodes) of each loop of ``sass`` over 100
+    instructions: the span from a backward branch's target to the branch."""
+    labels, code, pending = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        inst = re.match(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
+        if inst:
+            address = int(inst.group(1), 16)
+            labels.update({name: address for name in pending})
+            pending = []
+            code.append((address, inst.group(2), inst.group(3)))
+    found = []
+    for address, op, rest in code:
+        target = re.search(r"`\((\.L_x_\d+)\)", rest)
+        if op == "BRA" and target and labels.get(target.group(1), address) < address:
+            body = [c[1] for c in code if labels[target.group(1)] <= c[0] <= address]
+            if len(body) > 100:
+                ops = collections.Counter(body)
+                found.append((labels[target.group(1)], len(body), ops["LDL"], ops.most_common(8)))
+    return found
+
+
 def sass_of(cubin: bytes) -> str:
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -98,9 +168,26 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--fp16-pv", action="store_true")
     p.add_argument("--dump", help="write the SASS here")
+    p.add_argument("--decode", choices=["int8", "int4", "int8g"], help="the decode kernel over a cache of this format")
+    p.add_argument("--groups", type=int, default=4, help="decode: query heads a KV head")
+    p.add_argument("--nq", type=int, default=1, help="decode: query tokens a step")
+    p.add_argument("--model-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="decode: q, O, recent rows")
+    p.add_argument("--maxnreg", type=int, help="decode: register cap (0: none); default kernels.json's")
+    p.add_argument("--rows-tile", action="store_true", help="decode: the query rows as the dots' rows")
+    p.add_argument("--no-v-staged", action="store_true", help="decode: V's tile not staged in shared memory")
     a = p.parse_args()
-    kernel = compile_attention(a.arch, a.d, a.block_m, a.block_n, a.warps, a.stages, a.causal, not a.fp16_pv)
+    if a.decode:
+        warps = a.warps if "--warps" in os.sys.argv else None
+        stages = a.stages if "--stages" in os.sys.argv else None
+        kernel = compile_decode(a.arch, a.decode, a.d, a.groups, a.nq, a.model_dtype, warps, stages, a.maxnreg,
+                                a.rows_tile, False if a.no_v_staged else None)
+    else:
+        kernel = compile_attention(a.arch, a.d, a.block_m, a.block_n, a.warps, a.stages, a.causal, not a.fp16_pv)
     print(report(kernel, a.arch))
+    if a.decode:
+        for address, count, local_loads, ops in loops(sass_of(kernel.asm["cubin"])):
+            print(f"loop at {address:#x}: {count} instructions, {local_loads} local loads;",
+                  " ".join(f"{op} {n}" for op, n in ops))
     if a.dump:
         with open(a.dump, "w") as f:
             f.write(sass_of(kernel.asm["cubin"]))

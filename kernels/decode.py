@@ -33,7 +33,7 @@ group's K and V are read once for all its heads). Per key tile of BLOCK_N tokens
                                                in fp16, one dot; φ the group's row dither (formats.KV_GROUP_DITHERED)
     S = q · kr                                 the incomplete group's tile
     online softmax in base 2 (k̄ adds q·k̄ to a whole row: the softmax ignores it)
-    (per-token INT8 with few query rows, KEYS_AS_ROWS: the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and
+    (tiles of few query rows, KEYS_AS_ROWS: the dots take the keys as their rows, Sᵀ = K̂ · q̂ᵀ and
     Oᵀ += V̂ᵀ · Pᵀ, so that an mma pads the query rows to 8, not 16)
     O += (P · δV · 127) · V̂                   per-token V: in fp16, V̂ exact; O ⊙ σ_V / 127 at the end
     O += (P · (u − φ)) ⊙ scale + ΣP · zero     G8: P in fp16 (ΣP of it, the denominator's too), u exact;
@@ -405,8 +405,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
             # q's halves in fp32 as q_unit (low) and q_fine (high), (channels, query rows) with KEYS_AS_ROWS
             qs_lo = q_unit * _per_key_or_channel(scale_lo, KEYS_AS_ROWS)
             qs_hi = q_fine * _per_key_or_channel(scale_hi, KEYS_AS_ROWS)
-            row = q_unit * _per_key_or_channel(zero_lo, KEYS_AS_ROWS) + q_fine * _per_key_or_channel(zero_hi,
-                                                                                                   KEYS_AS_ROWS)
+            row = (q_unit * _per_key_or_channel(zero_lo, KEYS_AS_ROWS)
+                   + q_fine * _per_key_or_channel(zero_hi, KEYS_AS_ROWS))  # q · zero, summed below
             if INTERPRET:  # fp32 (see _scores)
                 qk = (_scores_as_given(qs_lo, (packed & 15).to(tl.float32), KEYS_AS_ROWS)
                       + _scores_as_given(qs_hi, ((packed >> 4) & 15).to(tl.float32), KEYS_AS_ROWS))

@@ -8,6 +8,14 @@ batch B, head dim D, one query token; ``OPTS``: ``decode_launch.decode`` keyword
 default launch); CUDA events, median of 7 × 20 calls; ``err``: the largest difference to the default launch's
 output (split counts move the merge's rounding only). TAG ``base`` also times SDPA on the bf16 cache. For an A/B of
 kernel variants, run once per variant with ``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py).
+
+    VARIANTS='one={"num_warps": 1}@34304,68096;two={"num_warps": 2}@35328,69120' ROUNDS=2 B=8 D=64 LENS=65536 \
+        python3 eval/studies/decode_warps.py TAG int4
+
+``VARIANTS``: launches of PRECISION to A/B in one process, in turns for ROUNDS rounds: each overrides kernels.json's
+launch of the format in memory (its keys, as ``decode.default.launch``) and its 16-bit ``SHARED`` bytes at d64 /
+d128 (from ``eval/inspect_kernel.py --decode``), so that the split plan counts that launch's programs, as the
+shipped launch's; the lines are tagged TAG/name and print the plan's split count.
 Results: eval/results/decode-warps-NVIDIA-H200-2026-11-28.md.
 """
 
@@ -52,5 +60,28 @@ def main(tag: str, precision: str = "int8") -> None:
         torch.cuda.empty_cache()
 
 
+def variants(tag: str, precision: str = "int8") -> None:
+    """``main`` once per VARIANTS entry, in turns (see the module docstring)."""
+    import copy
+
+    from hf_qattn.kernels import tuning
+
+    config = tuning.decode_config(False)
+    shipped = copy.deepcopy(config["launch"][precision])
+    for _ in range(int(os.environ.get("ROUNDS", 1))):
+        for spec in os.environ["VARIANTS"].split(";"):
+            name, rest = spec.split("=", 1)
+            launch, shared = rest.rsplit("@", 1)
+            config["launch"][precision] = {**shipped, **json.loads(launch)}
+            config["SHARED"]["16-bit"][precision] = dict(zip(("64", "128"), map(int, shared.split(","))))
+            decode_launch._default_launch.cache_clear()
+            decode_launch.default_shared_bytes.cache_clear()
+            b, d = int(os.environ.get("B", 8)), int(os.environ.get("D", 128))
+            for n in map(int, os.environ.get("LENS", "16384,65536").split(",")):
+                _, plan = decode_launch.plan_decode(precision, (b, 32, 1, d), 8, n, torch.device("cuda"))
+                print(f"{tag}/{name} {n}: {plan['num_splits']} splits", flush=True)
+            main(f"{tag}/{name}", precision)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    (variants if os.environ.get("VARIANTS") else main)(*sys.argv[1:])
