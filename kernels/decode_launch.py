@@ -113,8 +113,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   rows and the query rows as their columns, which an mma pads to 8 where it pads rows to 16: half the softmax's
 #   elements and half the mma's of the 16-row tile. INT8 (one warp, d128: 1,259 → 928 instructions a tile, no spill
 #   reloads in the loop): B8 64k −16 %, B1 128k −10 % a step (H200, decode-warps-*-2026-11-28.md section 6).
-#   int8g (two warps) likewise: B8 64k 391–398 µs against 465–470 with the rows tile (−16 %), B1 128k −32 %, d64
-#   −7 % (section 6b); INT4 at one warp (above).
+#   int8g (two warps) likewise: B8 64k 384–398 µs against 465–470 with the rows tile (−16 %), B1 128k 122.6 against
+#   138.4 (−11 %; decode-NVIDIA-H200-2026-11-29.md and its previous run, section 6c); INT4 at one warp (above).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
 #   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168, V unstaged.
