@@ -321,6 +321,15 @@ def _per_key_or_channel(x, KEYS_AS_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _scores_as_given(q, k, KEYS_AS_ROWS: tl.constexpr):
+    """As :func:`_scores` with q already as the dot takes it, (C, BLOCK_M) with KEYS_AS_ROWS, and k in its dtype."""
+    if KEYS_AS_ROWS:
+        return tl.dot(k, q)
+    else:
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _scores(q, k, KEYS_AS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
     """Query rows q (BLOCK_M, C) against keys k (BLOCK_N, C): q · kᵀ, or with KEYS_AS_ROWS k · qᵀ, fp32 accumulate;
     k converted to q's dtype (exact for the stored integers ≤ 255), or under the interpreter both in fp32 (its bf16
@@ -329,18 +338,8 @@ def _scores(q, k, KEYS_AS_ROWS: tl.constexpr, INTERPRET: tl.constexpr):
         q = q.to(tl.float32)
     k = k.to(q.dtype)
     if KEYS_AS_ROWS:
-        return tl.dot(k, tl.trans(q))
-    else:
-        return tl.dot(q, tl.trans(k))
-
-
-@triton.jit
-def _scores_as_given(q, k, KEYS_AS_ROWS: tl.constexpr):
-    """As :func:`_scores` with q already as the dot takes it, (C, BLOCK_M) with KEYS_AS_ROWS, and k in its dtype."""
-    if KEYS_AS_ROWS:
-        return tl.dot(k, q)
-    else:
-        return tl.dot(q, tl.trans(k))
+        q = tl.trans(q)
+    return _scores_as_given(q, k, KEYS_AS_ROWS)
 
 
 @triton.jit
