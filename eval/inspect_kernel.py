@@ -39,13 +39,16 @@ def compile_attention(arch, d, block_m, block_n, warps, stages, causal=False, v_
         "Q": f"*{dtype}", "kq_desc": f"tensordesc<i8[{block_n}, {d_pad}]>", "KS": "*fp32",
         "vq_desc": f"tensordesc<{v_ty}[{d_pad}, {block_n}]>", "VS": "*fp32", "DS": "*fp32",
         "Q_BAR": "*fp32", "K_BAR": "*fp32", "V_BAR": "*fp32", "KV_START": "constexpr", "KV_END": "constexpr",
-        "O": f"*{dtype}", "LSE": "constexpr",
+        "O": f"*{dtype}", "LSE": "constexpr", "KC": "*fp32", "SPLIT_CHANNEL": "*i32", "SINKS": "*fp32",
+        "WINDOW": "i32", "CHUNK": "i32", "cap_scale": "fp32", "cap_exp": "fp32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_qn": "i32", "stride_qd": "constexpr",
         "stride_ob": "i32", "stride_oh": "i32", "stride_on": "i32", "stride_od": "constexpr",
         "HQ": "i32", "GROUPS": "i32", "NQ": "i32", "NK": "i32", "NK_PAD": "i32", "NUM_TILES": "i32",
         "score_coef": "fp32",
     }
-    constexprs = {"KV_START": None, "KV_END": None, "LSE": None, "stride_qd": 1, "stride_od": 1,
+    # the plain kernel: no split channel, window, chunk, sinks or soft-cap (their switches off)
+    constexprs = {"KV_START": None, "KV_END": None, "LSE": None, "SPLIT": False, "HAS_WINDOW": False, "HAS_CHUNK": False, "SINKS_ON": False, "SOFTCAP": False,
+                  "ROW_LO": False, "ROW_TERM": False, "stride_qd": 1, "stride_od": 1,
                   "HEAD_DIM": d, "D_PAD": d_pad, "BLOCK_M": block_m, "BLOCK_N": block_n, "Q_GROUP": 16,
                   "QK_MAX": 127.0, "CAUSAL": causal, "HAS_KV_RANGE": False, "K_TOKEN_SCALE": k_token,
                   "V_FP8": v_fp8, "P_LOG2": 8.807354922057604 if v_fp8 else 0.0, "RETURN_LSE": False,
@@ -163,8 +166,8 @@ def main():
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--block-m", type=int, default=64)
     p.add_argument("--block-n", type=int, default=128)
-    p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--warps", type=int, help="default 4, or for --decode kernels.json's")
+    p.add_argument("--stages", type=int, help="default 3, or for --decode kernels.json's")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--fp16-pv", action="store_true")
     p.add_argument("--dump", help="write the SASS here")
@@ -177,12 +180,11 @@ def main():
     p.add_argument("--no-v-staged", action="store_true", help="decode: V's tile not staged in shared memory")
     a = p.parse_args()
     if a.decode:
-        warps = a.warps if "--warps" in os.sys.argv else None
-        stages = a.stages if "--stages" in os.sys.argv else None
-        kernel = compile_decode(a.arch, a.decode, a.d, a.groups, a.nq, a.model_dtype, warps, stages, a.maxnreg,
+        kernel = compile_decode(a.arch, a.decode, a.d, a.groups, a.nq, a.model_dtype, a.warps, a.stages, a.maxnreg,
                                 a.rows_tile, False if a.no_v_staged else None)
     else:
-        kernel = compile_attention(a.arch, a.d, a.block_m, a.block_n, a.warps, a.stages, a.causal, not a.fp16_pv)
+        kernel = compile_attention(a.arch, a.d, a.block_m, a.block_n, a.warps or 4, a.stages or 3, a.causal,
+                                   not a.fp16_pv)
     print(report(kernel, a.arch))
     if a.decode:
         for address, count, local_loads, ops in loops(sass_of(kernel.asm["cubin"])):

@@ -102,8 +102,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   instructions 3,036 → 1,321, offline): B8 64k 313 µs against 456 with four warps capped at 168 (−31 %), B1 128k
 #   −26 %; at d64 two warps (BY_HEAD_DIM: a format's launch for one padded head dim): −42 % against −25 % with one
 #   (decode-warps-NVIDIA-H200-2026-11-28.md section 7), capped at the 128 registers they take anyway, so that the
-#   plan counts the six programs an SM holds (by shared memory), not four (255 registers a thread, uncapped). Two stages (more programs an SM by shared memory): INT8
-#   +4 % at B8 64k, INT4 +7 % (section 7).
+#   plan counts the six programs an SM holds (by shared memory), not four (255 registers a thread, uncapped).
+#   Two stages (more programs an SM by shared memory): INT8 +4 % at B8 64k, INT4 +7 % (section 7).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
