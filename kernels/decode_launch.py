@@ -148,20 +148,18 @@ def resident_programs(maxnreg: int, num_warps: int, shared: int = 0) -> int:
 
 
 def _plan(b: int, hk: int, groups: int, nq: int, nk: int, sms: int, resident: int, interp: bool, block_n: int,
-          num_splits: int | None, waves: float | None, max_splits: int | None, block_m: int) -> tuple:
-    """(block_m, qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs holding
-    ``resident`` programs each (``max_splits``: the format's cap, else kernels.json's MAX_SPLITS; ``block_m``: the
-    tile's rows, :func:`tile_rows`)."""
-    block_m, qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, resident, interp,
-                                                 block_n, num_splits, waves, max_splits, block_m)
-    return block_m, qt, chunks, _cdiv(max(nk, 1), split_len), split_len  # no empty trailing split
+          num_splits: int | None, waves: float | None, max_splits: int | None) -> tuple:
+    """(qt, chunks, splits, split_len) of a decode launch over ``nk`` keys on ``sms`` SMs holding ``resident``
+    programs each (``max_splits``: the format's cap, else kernels.json's MAX_SPLITS)."""
+    qt, chunks, split_len = _plan_tiles(b, hk, groups, nq, max(1, _cdiv(nk, block_n)), sms, resident, interp, block_n,
+                                        num_splits, waves, max_splits)
+    return qt, chunks, _cdiv(max(nk, 1), split_len), split_len  # no empty trailing split
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, resident: int, interp: bool,
-                block_n: int, num_splits: int | None, waves: float | None, max_splits: int | None,
-                block_m: int) -> tuple:
-    """(block_m, qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
+                block_n: int, num_splits: int | None, waves: float | None, max_splits: int | None) -> tuple:
+    """(qt, chunks, split_len) for ``tiles`` key tiles: a cache grows a tile every ``block_n`` steps, so
     this is computed once per tile, not per step."""
     cfg = tuning.decode_config(interp)
     qt = tile_rows(groups, nq, interp)[0]
@@ -176,7 +174,7 @@ def _plan_tiles(b: int, hk: int, groups: int, nq: int, tiles: int, sms: int, res
         cap = cfg["MAX_SPLITS"] if max_splits is None else max_splits
         num_splits = min(want, max(fill, tiles // cfg["MIN_SPLIT_TILES"]), max(fill, cap))
     num_splits = max(1, min(num_splits, tiles))
-    return block_m, qt, chunks, _cdiv(tiles, num_splits) * block_n
+    return qt, chunks, _cdiv(tiles, num_splits) * block_n
 
 
 def tile_rows(groups: int, nq: int, interp: bool, keys_as_rows_up_to: int = 0) -> tuple[int, int, bool]:
@@ -241,8 +239,8 @@ def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.de
     resident = resident_programs(options.get("maxnreg", 0), options["num_warps"], shared)
     if block_m is None:
         block_m = tile_rows(groups, nq, interp)[1]
-    block_m, qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, resident, interp, block_n, num_splits,
-                                                   waves, max_splits, block_m)
+    qt, chunks, splits, split_len = _plan(b, hk, groups, nq, nk, sms, resident, interp, block_n, num_splits, waves,
+                                          max_splits)
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, QT=qt, chunks=chunks, num_splits=splits, split_len=split_len)
 
 

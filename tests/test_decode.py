@@ -215,8 +215,8 @@ def test_split_count_fills_whole_rounds_of_resident_programs(b, hk, nq, nk, resi
     program an SM where the keys allow; never more splits than key tiles, none empty."""
     sms, block_n = 132, 64
     cfg = tuning.decode_config(False)
-    _, qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, resident, False, block_n, None,
-                                                           None, None, 16)
+    qt, chunks, splits, split_len = decode_launch._plan(b, hk, 4, nq, nk, sms, resident, False, block_n, None, None,
+                                                        None)
     tiles = -(-nk // block_n)
     programs = chunks * b * hk
     slots = cfg["WAVES"] * sms * resident
