@@ -404,10 +404,12 @@ def _logits_bound(kind: str, position: int) -> float:
     then those few V rows as FP8 stored them (3 mantissa bits, nothing averages the rounding): over 13 seeds the
     lowest there was 0.9989 (position 25), at the other positions 0.99926; over 26 seeds of the several-token
     test 0.99882 (position 24; the cache's PyTorch reference gives the same, 0.99884, so the format's rounding and
-    not the kernel), ≥ 0.9991 elsewhere. A chunked layer that read every held key instead gives 0.05-0.57 there."""
+    not the kernel), ≥ 0.9991 elsewhere; and at a chunk's fourth position, four keys, 0.99899 (position 19: the
+    prefill's last token, on the CPU the reference's simulation of the prefill kernel, HF_QATTN_SEED=1116972677).
+    A chunked layer that read every held key instead gives 0.05-0.57 there."""
     if kind == "gemma2":
         return 0.997
-    return 0.998 if kind == "llama4" and position % WINDOW < 3 else 0.999
+    return 0.998 if kind == "llama4" and position % WINDOW < 4 else 0.999
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "gemma2", "llama4"])
