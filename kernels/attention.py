@@ -228,7 +228,7 @@ def attention_kernel(
         shift = tl.zeros([BLOCK_M], tl.float32)
     l_keys = l_i
     if SINKS_ON:
-        sink = tl.load(SINKS + h) * LOG2E - shift
+        sink = tl.load(SINKS + h).to(tl.float32) * LOG2E - shift  # in the model's dtype (gpt-oss: bf16)
         m_new = tl.maximum(m_i, sink)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key and a −inf sink: nothing at all
         alpha = tl.math.exp2(m_i - m_use)

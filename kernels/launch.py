@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import tuning
+from . import tuning, workspace
 from .fast_launch import fast
 from .attention import attention_kernel
 from .formats import INT_MAX, LOG2E, P_LOG2_FP8, P_SCALE
@@ -28,14 +28,15 @@ from .quantize import centers_kernel, quantize_kv_kernel
 
 
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, *, v_range: torch.Tensor | None = None,
-                      k_range: torch.Tensor | None = None, maxnreg: int = 0, **overrides):
+                      k_range: torch.Tensor | None = None, maxnreg: int = 0, centers: torch.Tensor | None = None,
+                      **overrides):
     """(q̄, k̄, v̄) as float32 (B·H, D) views of one buffer; zeros where smoothing is off; V's from more
     sampled tokens than Q's and K's (kernels.json says why). With ``v_range`` ((B·Hk, 2, D_PAD) float32,
     −inf-filled) the same launch also writes V's range per channel there (see ``centers_kernel``); ``k_range``,
     the same for K (the K/V pass picks the split channel from it). One launch for all of it saves the host
     ≈ 40–50 µs a call against two. Its shape (rows a mean program sums a step, rows a range program reduces
     and a step of it, warps) is kernels.json's ``centers`` (tuning.centers_config); ``overrides`` replace its
-    keys (to measure others)."""
+    keys (to measure others). ``centers``: the (B·Hq + 2·B·Hk, D) float32 buffer to write, or None for a new one."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     d_pad = tuning.padded_head_dim(d)
@@ -47,7 +48,8 @@ def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, *
                             f"{sorted(config)}")
         config = {**config, **overrides}
     sample, v_sample = tuning.center_sample(), tuning.v_center_sample()
-    centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
+    if centers is None:
+        centers = torch.empty(b * hq + 2 * b * hk, d, device=q.device, dtype=torch.float32)
     blocks = math.ceil(nk / config["RANGE_ROWS"])
     range_programs = b * hk * blocks * ((v_range is not None) + (k_range is not None))
     fast(centers_kernel)[(b * hq + 2 * b * hk + range_programs,)](
@@ -78,6 +80,7 @@ class QuantizedKV:
     nk_pad: int
     tiles: int
     v_dither: bool = False  # V̂'s tile dither (kernels/formats.py): ΔS holds log2 φ
+    derived: dict = dataclasses.field(default_factory=dict)  # built from these buffers (TMA descriptors), kept with them
 
     @property
     def with_split(self) -> bool:
@@ -98,32 +101,41 @@ class QuantizedKV:
 def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: bool, smooth_k: bool, smooth_v: bool,
                 kv_start, kv_end, block_n: int, k_token_scale: bool, v_channel_scale: bool = False,
                 permute_v: bool = False, num_warps: int | None = None,
-                split: bool = False, v_dither: bool = False, maxnreg: tuple[int, int] = (0, 0)) -> QuantizedKV:
+                split: bool = False, v_dither: bool = False, maxnreg: tuple[int, int] = (0, 0),
+                keep: bool = False) -> QuantizedKV:
     """Centers (and, for per-channel V scales, V's range: one read of V in the same launch), then one
     pass over K and V (which also writes ΔS).
     ``split``: also K's split channel per kv head (kernels/quantize.py), out of K̂ and into ``kc``.
     ``v_dither`` (with per-channel V scales): V̂'s tile dither, its log2 φ into ΔS (kernels/formats.py).
-    ``maxnreg``: register caps a thread of the centers launch and of the K/V pass (0: none)."""
+    ``maxnreg``: register caps a thread of the centers launch and of the K/V pass (0: none).
+    ``keep``: into the buffers kept for this stream and these shapes (kernels/workspace.py), which the next such
+    call overwrites — for a caller that reads them before it returns; else new ones."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     device = q.device
     d_pad = tuning.padded_head_dim(d)
     tiles = math.ceil(nk / block_n)
     nk_pad = tiles * block_n
-    # per-channel V scales need V's range over all keys before the pass, and the split channel K's: the
-    # centers launch finds them, into one −inf-filled buffer
-    ranges = torch.full((int(v_channel_scale) + int(split), b * hk, 2, d_pad), float("-inf"), device=device,
-                        dtype=torch.float32)
-    vs = ranges[0] if v_channel_scale else torch.empty(b * hk, tiles, d_pad, device=device, dtype=torch.float32)
+    f32 = torch.float32
+    buffers = workspace.get((
+        # per-channel V scales need V's range over all keys before the pass, and the split channel K's: the
+        # centers launch finds them, into one buffer filled with −inf below
+        ("ranges", (int(v_channel_scale) + int(split), b * hk, 2, d_pad), f32),
+        ("vs_tiles", (0,) if v_channel_scale else (b * hk, tiles, d_pad), f32),
+        ("centers", (b * hq + 2 * b * hk, d), f32),
+        ("split_channel", (b * hk if split else 0,), torch.int32),
+        ("kq", (b * hk * nk_pad, d_pad), torch.int8),
+        ("ks", (b * hk, nk_pad if k_token_scale else tiles), f32),
+        ("vq", (b * hk * d_pad, nk_pad), torch.float8_e4m3fn if v_fp8 else torch.float16),
+        ("ds", (b * hq + (b * hk if split else 0), nk_pad), f32),
+    ), device, keep)
+    ranges = buffers["ranges"].fill_(float("-inf"))
+    vs = ranges[0] if v_channel_scale else buffers["vs_tiles"]
     k_range = ranges[-1] if split else None
     q_bar, k_bar, v_bar = smoothing_centers(q, k, v, smooth_q, smooth_k, smooth_v,
                                             v_range=vs if v_channel_scale else None, k_range=k_range,
-                                            maxnreg=maxnreg[0])
-    split_channel = torch.empty(b * hk if split else 0, device=device, dtype=torch.int32)
-    kq = torch.empty(b * hk * nk_pad, d_pad, device=device, dtype=torch.int8)
-    ks = torch.empty(b * hk, nk_pad if k_token_scale else tiles, device=device, dtype=torch.float32)
-    vq = torch.empty(b * hk * d_pad, nk_pad, device=device, dtype=torch.float8_e4m3fn if v_fp8 else torch.float16)
-    ds = torch.empty(b * hq + (b * hk if split else 0), nk_pad, device=device, dtype=torch.float32)
+                                            maxnreg=maxnreg[0], centers=buffers["centers"])
+    split_channel, kq, ks, vq, ds = (buffers[name] for name in ("split_channel", "kq", "ks", "vq", "ds"))
     has_range = kv_start is not None or kv_end is not None
     num_warps = num_warps or tuning.quantize_num_warps(block_n, d)
     fast(quantize_kv_kernel)[(tiles, b * hk)](
@@ -136,7 +148,8 @@ def quantize_kv(q, k, v, *, sm_scale: float, qk: str, v_fp8: bool, smooth_q: boo
         HAS_KV_RANGE=has_range, GRID_ROUND=tuning.interpreting(), SPLIT=split,
         num_warps=num_warps, **tuning.register_cap(maxnreg[1]),
     )
-    return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles, v_dither)
+    return QuantizedKV(kq, ks, vq, vs, ds, split_channel, q_bar, k_bar, v_bar, nk_pad, tiles, v_dither,
+                       buffers.derived)
 
 
 def _key_spans(window: int, chunk: int, nk: int) -> tuple[int, int]:
@@ -190,13 +203,16 @@ def triton_attention(
     kv_start, kv_end = _key_range(kv_start, kv_end, b, nk, device)
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=v_fp8, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=block_n,
-                     k_token_scale=config["K_TOKEN_SCALE"], split=split_channel)
-    kq_desc = TensorDescriptor.from_tensor(kv.kq, [block_n, d_pad])
-    vq_desc = TensorDescriptor.from_tensor(kv.vq, [d_pad, block_n])
+                     k_token_scale=config["K_TOKEN_SCALE"], split=split_channel, keep=True)
+    descriptors = kv.derived.get(("triton", block_n))
+    if descriptors is None:
+        descriptors = kv.derived[("triton", block_n)] = (TensorDescriptor.from_tensor(kv.kq, [block_n, d_pad]),
+                                                         TensorDescriptor.from_tensor(kv.vq, [d_pad, block_n]))
+    kq_desc, vq_desc = descriptors
     lse = torch.empty(b, hq, nq, device=device, dtype=torch.float32) if return_lse else None
     fast(attention_kernel)[(triton.cdiv(nq, block_m), b * hq)](
         q, kq_desc, kv.ks, vq_desc, kv.vs, kv.ds, kv.kc, kv.split, kv.q_bar, kv.k_bar, kv.v_bar,
-        kv_start, kv_end, None if sinks is None else sinks.float().contiguous(), out, lse,
+        kv_start, kv_end, None if sinks is None else sinks.contiguous(), out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, sm_scale * LOG2E, window, chunk,
         # the soft cap's two constants (see kernels/attention.py); 0 when off (then unread)
@@ -244,7 +260,7 @@ def hopper_attention(
     kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
                      smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
                      k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"],
-                     split=split_channel, v_dither=tuning.v_dither(bool(softcap)))
+                     split=split_channel, v_dither=tuning.v_dither(bool(softcap)), keep=True)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages,
                                 persistent=persistent, pv_tiles=pv_tiles, window=window, chunk=chunk, sinks=sinks,
@@ -266,10 +282,14 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     window, chunk = _key_spans(window, chunk, nk)
     persistent = config["PERSISTENT"] if persistent is None else persistent
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
-    k_layout, vt_layout, ds_layout = _hopper_layouts(block_n, d_pad)
-    k_desc = GluonDescriptor.from_tensor(kv.kq, [block_n, d_pad], k_layout)
-    vt_desc = GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout)
-    ds_desc = GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout)
+    descriptors = kv.derived.get(("hopper", block_n))
+    if descriptors is None:
+        k_layout, vt_layout, ds_layout = _hopper_layouts(block_n, d_pad)
+        descriptors = kv.derived[("hopper", block_n)] = (
+            GluonDescriptor.from_tensor(kv.kq, [block_n, d_pad], k_layout),
+            GluonDescriptor.from_tensor(kv.vq, [d_pad, block_n], vt_layout),
+            GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout))
+    k_desc, vt_desc, ds_desc = descriptors
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
     consumers = consumers or tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse,
                                                split=kv.with_split, persistent=persistent,
@@ -281,7 +301,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),
         hq, hq // hk, nq, nk, kv.nk_pad, kv.tiles, items, b * hq, sm_scale * LOG2E, sm_scale,
-        int(window), int(chunk), None if sinks is None else sinks.float().contiguous(), float(softcap),
+        int(window), int(chunk), None if sinks is None else sinks.contiguous(), float(softcap),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, STAGES=stages, QK_MAX=float(INT_MAX[qk]),
         CAUSAL=is_causal, HAS_KV_RANGE=kv_end is not None, K_TOKEN_SCALE=False,
         P_LOG2=P_LOG2_FP8, RETURN_LSE=return_lse, PERSISTENT=persistent,

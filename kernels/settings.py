@@ -20,6 +20,9 @@ HF_QATTN_BREAK_EVEN         ``1``   ``0``: ``attn_implementation="qattn"`` runs 
 HF_QATTN_STEP_GRAPHS        ``1``   ``0``: a QAttnCache layer's eager decode step launches its append and decode
                                     kernels from Python every step instead of replaying the layer's CUDA
                                     graph (``hf_qattn/kv_cache/step_graph.py``)
+HF_QATTN_WORKSPACE_MB       ``256`` MiB of the K/V pass's buffers kept for the next attention call of the same shapes
+                                    on the same stream (``kernels/workspace.py``); ``0``: every call
+                                    allocates its own
 HF_QATTN_NO_STARTUP_HOOK    unset   set and not ``0``: the wheel's start-up hook does not register
                                     ``"qattn"`` with transformers. Read by ``_hf_qattn_startup`` itself: it
                                     runs at interpreter start, before any package may be imported.
@@ -38,6 +41,7 @@ EXACT_INT4 = "HF_QATTN_EXACT_INT4"
 SPLIT_CHANNEL = "HF_QATTN_SPLIT_CHANNEL"
 BREAK_EVEN = "HF_QATTN_BREAK_EVEN"
 STEP_GRAPHS = "HF_QATTN_STEP_GRAPHS"
+WORKSPACE_MB = "HF_QATTN_WORKSPACE_MB"
 NO_STARTUP_HOOK = "HF_QATTN_NO_STARTUP_HOOK"  # read by _hf_qattn_startup (see above)
 
 
@@ -65,3 +69,15 @@ def break_even() -> bool:
 def step_graphs() -> bool:
     """``HF_QATTN_STEP_GRAPHS`` (default ``1``): eager decode steps over a QAttnCache layer replay its CUDA graph."""
     return os.environ.get(STEP_GRAPHS, "1") != "0"
+
+
+def workspace_bytes() -> int:
+    """``HF_QATTN_WORKSPACE_MB`` (default 256) in bytes: the budget of kept K/V-pass buffers (0: none kept)."""
+    value = os.environ.get(WORKSPACE_MB, "256")
+    try:
+        megabytes = float(value)
+    except ValueError:
+        raise ValueError(f"{WORKSPACE_MB} must be a number of MiB (0 keeps none); got {value!r}") from None
+    if not megabytes >= 0:
+        raise ValueError(f"{WORKSPACE_MB} must be a number of MiB ≥ 0 (0 keeps none); got {value!r}")
+    return int(megabytes * 2 ** 20)

@@ -282,7 +282,8 @@ def test_kernel_skips_key_tiles_left_of_every_window(seed, tmp_path, monkeypatch
     ("softcap", ("s = cap_scale * (1.0 - 2.0 / (tl.math.exp2((s + row_term[:, None]) * cap_exp) + 1.0))",
                  "s = cap_scale * (1.0 - 2.0 / (tl.math.exp2(s * cap_exp) + 1.0))")),  # cap on the smoothed score
     ("sinks", ("v_bar = v_bar * (l_keys / l_safe)[:, None]", "v_bar = v_bar * 1.0")),  # v̄ weighted 1 under sinks
-    ("sinks", ("sink = tl.load(SINKS + h) * LOG2E - shift", "sink = tl.load(SINKS + h) * LOG2E")),  # sink's units
+    ("sinks", ("sink = tl.load(SINKS + h).to(tl.float32) * LOG2E - shift",
+               "sink = tl.load(SINKS + h).to(tl.float32) * LOG2E")),  # sink's units
     ("window", ("visible = visible & (offs_n[None, :] >= row_lo[:, None])", "visible = visible")),  # edges unmasked
     ("chunk", ("visible = visible & (offs_n[None, :] >= row_lo[:, None])", "visible = visible")),
 ], ids=["cap-smoothed-score", "sinks-v-bar-weight", "sinks-units", "window-edges", "chunk-edges"])

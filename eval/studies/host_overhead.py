@@ -3,6 +3,11 @@
     bash eval/device_run.sh bash -c 'python3 eval/studies/host_overhead.py --out $OUT'
     bash eval/device_run.sh python3 eval/studies/host_overhead.py --decode-only
 
+``--prefill``: whole prefill calls of four shapes (1k GQA, causal 2k B4, window 1024 d128, gpt-oss's sinks + window
+128 d64) with the K/V pass's buffers kept between calls (kernels/workspace.py) and without (``HF_QATTN_WORKSPACE_MB=0``),
+in alternating rounds; the host's pace moves by ±40 % over seconds on a lent machine, so each side's least and
+median µs of its rounds, and the call's GPU time beside them.
+
 ``--decode-only``: one decode step of one attention layer instead (B1 Hq32 Hk8 d128 bf16, a 4k-token cache):
 transformers' DynamicCache + SDPA flash against QAttnCache + qattn, the qattn layer's pieces, and a cProfile of
 its step.
@@ -75,9 +80,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--decode-only", action="store_true", help="only a decode step's layer and its pieces")
+    parser.add_argument("--prefill", action="store_true", help="prefill calls with and without kept buffers")
+    parser.add_argument("--rounds", type=int, default=15, help="--prefill: alternating rounds")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
+    if args.prefill:
+        print("\n".join(prefill_workspace_rows(args.rounds)))
+        return
     if args.decode_only:
         rows = decode_layer_rows()
         print("\n".join(f"| {name} | {us:.1f} |" for name, us in rows))
@@ -136,6 +146,44 @@ def main():
         name = f"host-overhead-{torch.cuda.get_device_name().replace(' ', '-')}-{datetime.date.today()}.md"
         with open(os.path.join(args.out, name), "w") as f:
             f.write(report)
+
+
+def prefill_workspace_rows(rounds: int) -> list[str]:
+    """Markdown rows: host µs a prefill call with the K/V pass's buffers made anew (``HF_QATTN_WORKSPACE_MB=0``)
+    and kept, least / median of ``rounds`` alternating rounds of 20 calls each, and the call's GPU time."""
+    from hf_qattn.kernels import settings
+    from timing import graph_ms
+
+    def qkv(b, hq, hk, n, d):
+        return [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk)]
+
+    sinks = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    shapes = {"causal 1k B1 GQA 32/8 d128": (qkv(1, 32, 8, 1024, 128), {}),
+              "causal 2k B4 H32 d128": (qkv(4, 32, 32, 2048, 128), {}),
+              "window 1024, 8k B1 H32 d128": (qkv(1, 32, 32, 8192, 128), dict(window=1024)),
+              "gpt-oss: sinks + window 128, 8k B1 GQA 64/8 d64": (qkv(1, 64, 8, 8192, 64),
+                                                                  dict(window=128, sinks=sinks))}
+    old = os.environ.get(settings.WORKSPACE_MB)
+    rows = ["| call | host µs, new buffers (least / median) | host µs, kept (least / median) | kept / new (least) | "
+            "GPU µs |", "|---|---|---|---|---|"]
+    try:
+        for name, ((q, k, v), options) in shapes.items():
+            call = lambda: hf_qattn.qattn(q, k, v, is_causal=True, **options)  # noqa: E731
+            samples = {"0": [], "256": []}
+            for _ in range(rounds):
+                for budget, found in samples.items():
+                    os.environ[settings.WORKSPACE_MB] = budget
+                    found.append(host_us(call, calls=20, repeats=1))
+            new, kept = (sorted(samples[b]) for b in ("0", "256"))
+            rows.append(f"| {name} | {new[0]:.1f} / {new[rounds // 2]:.1f} | {kept[0]:.1f} / {kept[rounds // 2]:.1f} | "
+                        f"{kept[0] / new[0]:.2f} | {graph_ms(call) * 1e3:.1f} |")
+            print(rows[-1], flush=True)
+    finally:
+        if old is None:
+            os.environ.pop(settings.WORKSPACE_MB, None)
+        else:
+            os.environ[settings.WORKSPACE_MB] = old
+    return rows
 
 
 def decode_layer_rows(prompt: int = 4096):

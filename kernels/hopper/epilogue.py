@@ -38,7 +38,7 @@ def store_output(prob, cfg, acc, l_i, m_i, shift_smem, b, h, bhq, bhk, row0, BM:
     if cfg.SINKS:
         no_key = m == float("-inf")
         m_use = gl.where(no_key, 0.0, m)  # acc and l are at this maximum (mainloop._scaling_max)
-        sink = (gl.load(prob.SINK + h) - shift) * _LOG2E
+        sink = (gl.load(prob.SINK + h).to(gl.float32) - shift) * _LOG2E  # in the model's dtype (gpt-oss: bf16)
         # a row that saw no key takes the sink's own maximum: at 0 a sink below −109 (in base 2) would
         # underflow and its lse come out −inf; a sink of −inf (none) keeps 0
         m = gl.where(no_key & (sink > float("-inf")), sink, gl.maximum(m_use, sink))

@@ -88,7 +88,7 @@ class Problem:
     head); KV_END (per batch, with HAS_KV_RANGE); LSE (with RETURN_LSE). HQ query heads, GROUPS query heads
     per kv head, NQ/NK tokens, NK_PAD keys padded to whole tiles, NUM_TILES key tiles, NUM_ITEMS work
     items; KC_ROW0: the first kc row in the ΔS buffer. score_coef = sm_scale·log2 e. The variants' sizes (read
-    only under their switch): window W and chunk C in keys, SINK (Hq,) float32 logits in the units of the
+    only under their switch): window W and chunk C in keys, SINK (Hq,) logits (any float dtype) in the units of the
     true scores, softcap c."""
     Q: Value
     Q_BAR: Value
