@@ -309,7 +309,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        num_warps=4, **tuning.register_cap(register_cap(consumers)),
+        P_SMEM=tuning.hopper_p_smem(d, consumers), num_warps=4, **tuning.register_cap(register_cap(consumers)),
     )
     return lse
 

@@ -96,30 +96,39 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
 
     One consumer where work items are short — causal calls (windows and chunks are causal) and full attention
     over at most ONE_CONSUMER_FULL_UP_TO keys (kernels.json): the launch caps such a CTA's registers
-    (hopper/attention.py ONE_CONSUMER_MAXNREG) and it takes ONE_CONSUMER_STAGES stages, so two CTAs share an SM
-    and one's prologue, pipeline fill and epilogue run under the other's main loop: +9 to +28 % at 1k–16k
-    causal, windows 128–4096 and full attention up to 8k keys, −1 to −3 % on longer full attention
-    (eval/results/one-consumer-*.md). Not at head dim 256 (ONE_CONSUMER false: its 64×256 output needs 240
-    registers a thread, one consumer gets 232) nor with a persistent grid (one CTA an SM).
+    (hopper/attention.py ONE_CONSUMER_MAXNREG) so that two CTAs share an SM and one's prologue, pipeline fill and
+    epilogue run under the other's main loop: +9 to +28 % at 1k–16k causal, windows 128–4096 and full attention up
+    to 8k keys, −1 to −3 % on longer full attention (eval/results/one-consumer-*.md). Not at head dim 256
+    (ONE_CONSUMER false: its 64×256 output needs 240 registers a thread, one consumer gets 232) nor with a
+    persistent grid (one CTA an SM).
 
-    Otherwise the head dim's CONSUMERS for the plain full-attention build, else 2. Three consumers leave each
-    160 registers a thread; only that build fits them without local memory in its main loops (offline_build:
-    causal, lse, split, the variants and persistent CTAs spill), and at head dim 64 it runs 8–24 % faster from 2k
-    keys (eval/results/consumers-*.md)."""
+    Otherwise the head dim's CONSUMERS for the plain full-attention build over at most CONSUMERS_UP_TO keys, else 2.
+    Three consumers leave each 160 registers a thread; only the plain build fits them without local memory in its
+    main loops (offline_build: causal, lse, split, the variants and persistent CTAs spill), at head dim 128 only
+    with P passed through shared memory (``hopper_p_smem``). They run 8–24 % faster at head dim 64 from 2k keys
+    (eval/results/consumers-*.md) and 2–12 % at head dim 128 from 6k to 32k keys (eval/results/p-smem-*.md).
+    The stages: the head dim's STAGES for that many consumers (their shared memory must fit)."""
     config = hopper_config(head_dim)
     if config["ONE_CONSUMER"] and not persistent and (causal or keys <= config["ONE_CONSUMER_FULL_UP_TO"]):
         consumers = 1
     else:
         plain = not (causal or return_lse or split or variant or persistent)
-        consumers = config["CONSUMERS"] if plain else 2
+        up_to = config["CONSUMERS_UP_TO"]
+        consumers = config["CONSUMERS"] if plain and (up_to is None or keys <= up_to) else 2
     return consumers, hopper_stages(head_dim, consumers)
 
 
 def hopper_stages(head_dim: int, consumers: int) -> int:
-    """Ring stages of a CTA of ``consumers`` warpgroups: ONE_CONSUMER_STAGES for one (two such CTAs must fit an SM's
-    shared memory: 2 stages at d128, 108 KB), else the head dim's STAGES (kernels.json)."""
-    config = hopper_config(head_dim)
-    return config["ONE_CONSUMER_STAGES"] if consumers == 1 else config["STAGES"]
+    """Ring stages of a CTA of ``consumers`` warpgroups: the head dim's STAGES for that count (kernels.json: two
+    one-consumer CTAs must share an SM's shared memory, and three d128 consumers leave room for 2)."""
+    return hopper_config(head_dim)["STAGES"][str(consumers)]
+
+
+def hopper_p_smem(head_dim: int, consumers: int) -> bool:
+    """Whether a CTA of ``consumers`` warpgroups hands P to its P·V wgmma through shared memory, not registers
+    (kernels/hopper/mainloop.py P_SMEM): where the head dim's P_SMEM_CONSUMERS lists that count (three d128
+    consumers fit 160 registers only without P's 64 carried from step to step; elsewhere it costs ≈ 3 %)."""
+    return consumers in hopper_config(head_dim)["P_SMEM_CONSUMERS"]
 
 
 def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys: int) -> bool:

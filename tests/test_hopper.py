@@ -25,6 +25,9 @@ from hf_qattn.kernels import launch, tuning
 from hf_qattn.kernels.hopper import gluon_api
 
 needs_gluon = pytest.mark.skipif(gluon_api.missing() is not None, reason=f"{gluon_api.missing()}")
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_sm90 = pytest.mark.skipif(not ON_SM90 or gluon_api.missing() is not None,
+                                reason="needs an sm90 GPU (H100/H200) and Gluon")
 # the K/V pass runs on the GPU where there is one, else under the Triton interpreter (conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,12 +52,12 @@ def _shipped(d, causal, lse, kv_range, dtype, split=False, keys=4096):
 
 
 # every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes, short and
-# long calls (one consumer warpgroup a CTA for causal and short calls; two, or three at d64, for long full
-# attention), and K's split channel, the heaviest
+# long calls (one consumer warpgroup a CTA for causal and short calls; three for long plain full attention, two
+# beyond 32k keys at d128 and for the other switches), and K's split channel, the heaviest
 SHIPPED = [
     _shipped(d, causal, lse, kv_range, dtype, keys=keys)
     for d in (64, 128)
-    for keys in (2048, 32768)
+    for keys in (2048, 32768, 65536)
     for causal, lse, kv_range, dtype in (
         (False, False, False, "fp16"), (True, True, True, "bf16"), (True, False, False, "fp16"),
         (False, True, True, "fp16"), (False, False, True, "bf16"))
@@ -124,8 +127,15 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     assert len(report["loop_local"]) == consumers * loops, "one main loop (or two) per consumer warpgroup"
     # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
     # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
-    assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report
-    if consumers == 3:
+    if not (consumers == 3 and config["head_dim"] > 64):
+        assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report
+    if consumers == 3 and config["head_dim"] > 64:
+        # d128, P through shared memory: ptxas keeps one or two scalars a row (q's score coefficient) on the stack
+        # and reloads them each key tile — 84 bytes and one load a tile in one loop with triton 3.6 (the build the
+        # H200 measured faster, eval/results/p-smem-*.md), 328 bytes and 3 / 6 loads in two loops with triton 3.9
+        # (of ≈ 840 instructions a tile; not timed on a GPU)
+        assert max(report["loop_local"]) <= 6 and report["spill_bytes"] <= 384, report
+    elif consumers == 3:
         # 160 registers a thread: ptxas keeps a few values of the prologue and epilogue on the stack (56 bytes
         # with triton 3.9), loads a work item pays, not a key tile
         assert report["spill_bytes"] <= 64, report
@@ -228,26 +238,34 @@ def test_dispatch_on_a_cpu_tensor_never_picks_the_hopper_kernel():
 
 
 def test_hopper_config_is_read_from_the_shipped_table():
-    assert tuning.hopper_config(128)["BLOCK_N"] == 128 and tuning.hopper_config(128)["STAGES"] == 3
-    assert tuning.hopper_config(64)["STAGES"] == 2
+    assert tuning.hopper_config(128)["BLOCK_N"] == 128 and tuning.hopper_config(256)["BLOCK_N"] == 64
+    assert [tuning.hopper_stages(128, c) for c in (1, 2, 3)] == [2, 3, 2]
+    assert [tuning.hopper_stages(64, c) for c in (1, 2, 3)] == [2, 2, 2]
     assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
 
 
 def test_cta_shape_by_call():
     """tuning.hopper_cta: one consumer (two stages) for causal calls and full attention up to the head dim's
-    ONE_CONSUMER_FULL_UP_TO keys (8192 at d128, 4096 at d64), never at d256 nor persistent; beyond, three
-    warpgroups for d64 full attention alone, and every switch that spilled with three (offline_build) gives two,
-    as every other head dim does (d96 pads to 128)."""
+    ONE_CONSUMER_FULL_UP_TO keys (4096 at d64, 8192 at d128), never at d256 nor persistent; beyond, three warpgroups
+    for plain full attention (at d128 up to CONSUMERS_UP_TO = 32768 keys, with P through shared memory), and every
+    switch that spilled with three (offline_build) gives two, as d256 does (d96 pads to 128)."""
     plain = dict(causal=False, return_lse=False, split=False, variant=False, persistent=False)
     for d, up_to in ((64, 4096), (128, 8192), (96, 8192)):
         assert tuning.hopper_cta(d, keys=up_to, **plain) == (1, 2)
+        assert tuning.hopper_cta(d, keys=up_to + 1, **plain) == (3, 2)
         assert tuning.hopper_cta(d, keys=131072, **{**plain, "causal": True}) == (1, 2)
         assert tuning.hopper_cta(d, keys=1024, **{**plain, "persistent": True})[0] == 2
-    assert tuning.hopper_cta(64, keys=4097, **plain) == (3, 2)
-    assert tuning.hopper_cta(128, keys=8193, **plain) == (2, 3)
+        for switch in ("return_lse", "split", "variant", "persistent"):
+            assert tuning.hopper_cta(d, keys=up_to + 1, **{**plain, switch: True})[0] == 2, switch
+    assert tuning.hopper_cta(128, keys=32768, **plain) == (3, 2)
+    assert tuning.hopper_cta(128, keys=32769, **plain) == (2, 3)
+    assert tuning.hopper_cta(64, keys=131072, **plain) == (3, 2)
     assert tuning.hopper_cta(256, keys=1024, **{**plain, "causal": True}) == (2, 2)
-    for switch in ("return_lse", "split", "variant", "persistent"):
-        assert tuning.hopper_cta(64, keys=8192, **{**plain, switch: True})[0] == 2, switch
+    assert tuning.hopper_cta(256, keys=32768, **plain) == (2, 2)
+    # P through shared memory where three consumers need it (d128), nowhere else
+    assert tuning.hopper_p_smem(128, 3) and tuning.hopper_p_smem(96, 3)
+    assert not any(tuning.hopper_p_smem(d, c) for d in (64, 128, 256) for c in (1, 2))
+    assert not tuning.hopper_p_smem(64, 3)
 
 
 def test_causal_main_loop_split_from_the_head_dims_threshold():
@@ -276,3 +294,38 @@ def test_sm90_without_gluon_runs_the_portable_kernel_counted_and_warned(monkeypa
     assert (path, reason) == (support.TRITON, None)
     (counted,) = hf_qattn.fallback_stats()["fallbacks"]
     assert counted.startswith(support.REASON_NO_GLUON)
+
+
+@needs_sm90
+@pytest.mark.parametrize("d", [128, 64])
+def test_p_through_shared_memory_gives_the_register_operands_output_bit_for_bit(seed, d, monkeypatch):
+    """P_SMEM only moves P̂ from registers to shared memory: the same FP8 bytes meet the same V̂ᵀ tiles in the same
+    wgmma order, so the output is equal bit for bit to the register operand's, whatever the CTA (d128: three
+    consumers with P in shared memory as shipped, against two with P in registers; d64: three consumers both
+    ways). A wrong key order in the stored P, a P·V reading the buffer before the step's P is in it, or a P
+    overwritten while the last P·V still reads it would change it. 71 key tiles (flushes included), a ragged
+    end, V off zero, GQA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, hq, hk, n = 1, 4, 2, 9000
+    q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    v = v + 0.3
+    config = tuning.hopper_config(d)
+    kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
+                            smooth_v=True, kv_start=None, kv_end=None, block_n=config["BLOCK_N"],
+                            k_token_scale=False, v_channel_scale=True, permute_v=True,
+                            num_warps=config["KV_PASS_WARPS"], v_dither=tuning.v_dither(False))
+
+    def run(consumers, p_smem):
+        monkeypatch.setattr(tuning, "hopper_p_smem", lambda head_dim, c: p_smem)
+        out = torch.empty_like(q)
+        launch.hopper_kernel_launch(q, hk, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", kv_end=None,
+                                    return_lse=False, consumers=consumers, stages=tuning.hopper_stages(d, consumers))
+        return out
+
+    assert tuning.hopper_cta(d, causal=False, keys=n, return_lse=False, split=False, variant=False,
+                             persistent=False)[0] == 3
+    registers = run(2 if d == 128 else 3, False)
+    shared = run(3, True)
+    assert torch.isfinite(registers).all()
+    assert torch.equal(shared, registers), (shared.float() - registers.float()).abs().max().item()

@@ -28,13 +28,13 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
                  block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None,
-                 causal_split: bool | None = None, keys: int = 4096):
+                 causal_split: bool | None = None, keys: int = 4096, p_smem: bool | None = None):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
     override the tuned tile and padded head dim (to try configurations not shipped); ``stages``, ``pv_tiles`` and
     ``consumers`` default to the tuned ones for a call over ``keys`` keys (kernels.json, tuning.hopper_cta);
     ``causal_split``: the causal main loop split at the diagonal (as tuning.hopper_causal_split picks unless
-    given)."""
+    given); ``p_smem``: P through shared memory (as tuning.hopper_p_smem picks unless given)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel, register_cap
@@ -49,6 +49,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         consumers = tuning.hopper_cta(head_dim, causal=causal, keys=keys, return_lse=return_lse, split=split,
                                       variant=window or chunk or sinks or softcap, persistent=persistent)[0]
     stages = tuning.hopper_stages(head_dim, consumers) if stages is None else stages
+    p_smem = tuning.hopper_p_smem(head_dim, consumers) if p_smem is None else p_smem
     if causal_split is None:
         causal_split = tuning.hopper_causal_split(head_dim, causal=causal, variant_span=window or chunk, keys=keys)
 
@@ -76,7 +77,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
                   "PV_TILES": pv_tiles, "CONSUMERS": consumers, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks,
-                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split,
+                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split, "P_SMEM": p_smem,
                   "V_DITHER": tuning.v_dither(softcap)}
     for name in constexprs:
         signature[name] = "constexpr"
