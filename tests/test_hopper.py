@@ -329,3 +329,41 @@ def test_p_through_shared_memory_gives_the_register_operands_output_bit_for_bit(
     shared = run(3, True)
     assert torch.isfinite(registers).all()
     assert torch.equal(shared, registers), (shared.float() - registers.float()).abs().max().item()
+
+
+@needs_gluon
+@pytest.mark.parametrize("d, keys, causal, consumers, p_smem", [
+    (128, 16384, False, 3, True),  # plain full attention over 8193–32768 keys at d128: three consumers, P in smem
+    (128, 65536, False, 2, False),  # beyond 32k keys: two, P in registers
+    (128, 8192, False, 1, False),  # up to 8192 keys: one consumer
+    (128, 16384, True, 1, False),  # causal: one consumer
+    (64, 16384, False, 3, False),  # d64: three consumers, P in registers
+])
+def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys, causal, consumers, p_smem):
+    """hopper_kernel_launch hands the kernel the CTA shape (consumers, stages, grid) and the P path (P_SMEM) that
+    tuning decides for the call, on the CPU with the launch recorded instead of run. A launch that built the three
+    d128 consumers with P in registers would spill (the offline build's test) and run slower, while every GPU
+    output stayed right: only this sees it."""
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch_kernel(*args, **kwargs):
+                launched.update(kwargs, grid=grid)
+            return launch_kernel
+
+    monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
+    b, hq, hk = 1, 2, 1
+    block_n, d_pad = tuning.hopper_config(d)["BLOCK_N"], tuning.padded_head_dim(d)
+    tiles = keys // block_n
+    kv = launch.QuantizedKV(
+        kq=torch.zeros(b * hk * keys, d_pad, dtype=torch.int8), ks=torch.zeros(b * hk, tiles),
+        vq=torch.zeros(b * hk * d_pad, keys, dtype=torch.float8_e4m3fn), vs=torch.zeros(b * hk, 2, d_pad),
+        ds=torch.zeros(b * hq, keys), split=torch.zeros(0, dtype=torch.int32), q_bar=torch.zeros(b * hq, d),
+        k_bar=torch.zeros(b * hk, d), v_bar=torch.zeros(b * hk, d), nk_pad=keys, tiles=tiles)
+    q = torch.zeros(b, hq, keys, d, dtype=torch.float16)
+    launch.hopper_kernel_launch(q, hk, keys, kv, torch.empty_like(q), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
+                                kv_end=None, return_lse=False)
+    assert (launched["CONSUMERS"], launched["P_SMEM"]) == (consumers, p_smem), launched
+    assert launched["STAGES"] == tuning.hopper_stages(d, consumers)
+    assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * b * hq,)
