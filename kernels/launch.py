@@ -291,12 +291,15 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
             GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout))
     k_desc, vt_desc, ds_desc = descriptors
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
+    sms = tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else 0
     consumers = consumers or tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse,
                                                split=kv.with_split, persistent=persistent,
-                                               variant=bool(window or chunk or softcap or sinks is not None))[0]
+                                               variant=bool(window or chunk or softcap or sinks is not None),
+                                               queries=nq, batch_heads=b * hq, sms=sms)[0]
     stages = stages or tuning.hopper_stages(d, consumers)
     items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
-    grid = min(items, tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
+    grid = min(items, sms * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
         *q.stride(), *out.stride(),

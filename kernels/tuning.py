@@ -91,7 +91,7 @@ def centers_config(d_pad: int) -> dict:
 
 
 def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, split: bool, variant: bool,
-               persistent: bool) -> tuple[int, int]:
+               persistent: bool, queries: int = 0, batch_heads: int = 0, sms: int = 0) -> tuple[int, int]:
     """(consumer warpgroups, ring stages) of a CTA of the sm90 kernel, 64 query rows a consumer.
 
     One consumer where work items are short — causal calls (windows and chunks are causal) and full attention
@@ -107,6 +107,10 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
     main loops (offline_build: causal, lse, split, the variants and persistent CTAs spill), at head dim 128 only
     with P passed through shared memory (``hopper_p_smem``). They run 8–24 % faster at head dim 64 from 2k keys
     (eval/results/consumers-*.md) and 2–12 % at head dim 128 from 6k to 32k keys (eval/results/p-smem-*.md).
+    Where the head dim gives CONSUMERS_ROW_GAIN (three consumers' speed a query row over two's in full waves) and
+    the call's ``queries`` (a head's query rows), ``batch_heads`` and the GPU's ``sms`` are known, three are taken
+    only when their whole waves of CTAs take less time than two's: a grid of a few waves of 192-row CTAs can lose
+    more to its last wave than the wider CTA gains (d128 16k B1 H8: 5.2 waves, −4 %).
     The stages: the head dim's STAGES for that many consumers (their shared memory must fit)."""
     config = hopper_config(head_dim)
     if config["ONE_CONSUMER"] and not persistent and (causal or keys <= config["ONE_CONSUMER_FULL_UP_TO"]):
@@ -115,6 +119,12 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
         plain = not (causal or return_lse or split or variant or persistent)
         up_to = config["CONSUMERS_UP_TO"]
         consumers = config["CONSUMERS"] if plain and (up_to is None or keys <= up_to) else 2
+        gain = config["CONSUMERS_ROW_GAIN"]
+        if consumers == 3 and gain and queries and batch_heads and sms:
+            def waves(c):  # whole waves of CTAs of c consumers (64 query rows each) over the SMs, one CTA an SM
+                return -(-(-(-queries // (64 * c)) * batch_heads) // sms)
+            if waves(3) * 3 >= waves(2) * 2 * gain:
+                consumers = 2
     return consumers, hopper_stages(head_dim, consumers)
 
 

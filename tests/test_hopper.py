@@ -262,6 +262,13 @@ def test_cta_shape_by_call():
     assert tuning.hopper_cta(64, keys=131072, **plain) == (3, 2)
     assert tuning.hopper_cta(256, keys=1024, **{**plain, "causal": True}) == (2, 2)
     assert tuning.hopper_cta(256, keys=32768, **plain) == (2, 2)
+    # with the grid known (132 SMs), d128 takes three only where their whole waves beat two's by the row gain
+    # (the measured points of eval/results/p-smem-*.md: B1 H8 16k −4 % with three, the others faster)
+    for (b, h, n), wide in (((1, 8, 16384), False), ((1, 8, 12288), True), ((1, 8, 32768), True),
+                            ((4, 32, 16384), True), ((1, 40, 17160), True), ((2, 32, 16384), True)):
+        shape = tuning.hopper_cta(128, keys=n, queries=n, batch_heads=b * h, sms=132, **plain)
+        assert shape == ((3, 2) if wide else (2, 3)), (b, h, n, shape)
+    assert tuning.hopper_cta(64, keys=16384, queries=16384, batch_heads=8, sms=132, **plain) == (3, 2)  # no gain set
     # P through shared memory where three consumers need it (d128), nowhere else
     assert tuning.hopper_p_smem(128, 3) and tuning.hopper_p_smem(96, 3)
     assert not any(tuning.hopper_p_smem(d, c) for d in (64, 128, 256) for c in (1, 2))
