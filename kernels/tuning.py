@@ -105,7 +105,7 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
     Otherwise the head dim's CONSUMERS for the plain full-attention build over at most CONSUMERS_UP_TO keys, else 2.
     Three consumers leave each 160 registers a thread; only the plain build fits them without local memory in its
     main loops (offline_build: causal, lse, split, the variants and persistent CTAs spill), at head dim 128 only
-    with P passed through shared memory (``hopper_p_smem``). They run 8–24 % faster at head dim 64 from 2k keys
+    with P passed through shared memory (``hopper_p_smem``) and a scalar or two reloaded a key tile. They run 8–24 % faster at head dim 64 from 2k keys
     (eval/results/consumers-*.md) and 2–12 % at head dim 128 from 6k to 32k keys (eval/results/p-smem-*.md).
     Where the head dim gives CONSUMERS_ROW_GAIN (three consumers' speed a query row over two's in full waves) and
     the call's ``queries`` (a head's query rows), ``batch_heads`` and the GPU's ``sms`` are known, three are taken
