@@ -255,16 +255,26 @@ def hopper_attention(
 ) -> torch.Tensor | None:
     """The sm90 Gluon kernel (INT8 Q·Kᵀ, FP8 P·V; head dim ≤ 256). Same contract as ``triton_attention``,
     the variants included (window / chunk / softcap: 0 for none; sinks (Hq,) or None)."""
-    config = tuning.hopper_config(q.shape[-1])
     kv_start, kv_end = _key_range(kv_start, kv_end, q.shape[0], k.shape[2], q.device)
-    kv = quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
-                     smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
-                     k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"],
-                     split=split_channel, v_dither=tuning.v_dither(bool(softcap)), keep=True)
+    kv = hopper_quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
+                            kv_start=kv_start, kv_end=kv_end, split=split_channel, softcap=softcap, keep=True)
     return hopper_kernel_launch(q, k.shape[1], k.shape[2], kv, out, is_causal=is_causal, sm_scale=sm_scale, qk=qk,
                                 kv_end=kv_end, return_lse=return_lse, stages=stages,
                                 persistent=persistent, pv_tiles=pv_tiles, window=window, chunk=chunk, sinks=sinks,
                                 softcap=softcap)
+
+
+def hopper_quantize_kv(q, k, v, *, sm_scale: float, qk: str = "int8", smooth_q: bool = True, smooth_k: bool = True,
+                       smooth_v: bool = True, kv_start=None, kv_end=None, split: bool = False, softcap: float = 0.0,
+                       keep: bool = False) -> QuantizedKV:
+    """``quantize_kv`` as the sm90 kernel takes its result: FP8 V̂ᵀ with per-channel scales (and the tile dither
+    unless soft-capped) in the kernel's key order, its key tile, the pass's warps for it (kernels.json ``hopper``).
+    ``hopper_kernel_launch`` runs the kernel on it; the benchmarks time the two apart."""
+    config = tuning.hopper_config(q.shape[-1])
+    return quantize_kv(q, k, v, sm_scale=sm_scale, qk=qk, v_fp8=True, smooth_q=smooth_q, smooth_k=smooth_k,
+                       smooth_v=smooth_v, kv_start=kv_start, kv_end=kv_end, block_n=config["BLOCK_N"],
+                       k_token_scale=False, v_channel_scale=True, permute_v=True, num_warps=config["KV_PASS_WARPS"],
+                       split=split, v_dither=tuning.v_dither(bool(softcap)), keep=keep)
 
 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,

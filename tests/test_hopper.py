@@ -317,11 +317,7 @@ def test_p_through_shared_memory_gives_the_register_operands_output_bit_for_bit(
     q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16, generator=g)
     k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
     v = v + 0.3
-    config = tuning.hopper_config(d)
-    kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
-                            smooth_v=True, kv_start=None, kv_end=None, block_n=config["BLOCK_N"],
-                            k_token_scale=False, v_channel_scale=True, permute_v=True,
-                            num_warps=config["KV_PASS_WARPS"], v_dither=tuning.v_dither(False))
+    kv = launch.hopper_quantize_kv(q, k, v, sm_scale=d ** -0.5)
 
     def run(consumers, p_smem):
         monkeypatch.setattr(tuning, "hopper_p_smem", lambda head_dim, c: p_smem)
@@ -374,3 +370,24 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
     assert (launched["CONSUMERS"], launched["P_SMEM"]) == (consumers, p_smem), launched
     assert launched["STAGES"] == tuning.hopper_stages(d, consumers)
     assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * b * hq,)
+
+
+@pytest.mark.parametrize("softcap, split", [(0.0, False), (30.0, True)])
+def test_hopper_attention_quantizes_kv_as_the_kernel_reads_it(monkeypatch, softcap, split):
+    """hopper_attention's K/V pass (launch.hopper_quantize_kv, which the studies share): FP8 V̂ᵀ with per-channel
+    scales in the kernel's key order, the kernel's key tile and the pass's warps from kernels.json, V's tile dither
+    unless soft-capped, the split channel when asked, kept buffers (CPU, both launches recorded)."""
+    seen = {}
+    monkeypatch.setattr(launch, "quantize_kv", lambda *args, **kwargs: seen.update(kwargs) or "kv")
+    monkeypatch.setattr(launch, "hopper_kernel_launch", lambda *args, **kwargs: seen.update(kv=args[3]))
+    q = torch.zeros(1, 2, 16, 128)
+    launch.hopper_attention(q, q, q, q, is_causal=True, sm_scale=0.1, qk="int8", smooth_q=True, smooth_k=True,
+                            smooth_v=False, kv_start=None, kv_end=None, return_lse=False, split_channel=split,
+                            softcap=softcap)
+    config = tuning.hopper_config(128)
+    assert seen["kv"] == "kv"
+    assert (seen["v_fp8"], seen["v_channel_scale"], seen["permute_v"], seen["k_token_scale"]) == (True, True, True,
+                                                                                                  False)
+    assert (seen["block_n"], seen["num_warps"]) == (config["BLOCK_N"], config["KV_PASS_WARPS"])
+    assert seen["v_dither"] == tuning.v_dither(bool(softcap)) and seen["split"] == split and seen["keep"] is True
+    assert (seen["smooth_q"], seen["smooth_k"], seen["smooth_v"], seen["sm_scale"]) == (True, True, False, 0.1)

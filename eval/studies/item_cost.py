@@ -111,18 +111,14 @@ def time_shapes(ablation: int) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
     from timing import bench_ms
-    from hf_qattn.kernels import launch, tuning
+    from hf_qattn.kernels import launch
 
     for name, b, hq, hk, n, d, causal, window, sinks in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(n + d)
         q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         sink = torch.randn(hq, device="cuda", generator=g) if sinks else None
-        config = tuning.hopper_config(d)
-        kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
-                                smooth_v=True, kv_start=None, kv_end=None, block_n=config["BLOCK_N"],
-                                k_token_scale=False, v_channel_scale=True, permute_v=True,
-                                num_warps=config["KV_PASS_WARPS"], v_dither=tuning.v_dither(False))
+        kv = launch.hopper_quantize_kv(q, k, v, sm_scale=d ** -0.5)
         out = torch.empty_like(q)
 
         def call():

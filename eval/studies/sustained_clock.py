@@ -38,11 +38,7 @@ def main():
         for shape in args.shapes.split(","):
             b, h, n = (int(x) for x in shape.split(":"))
             q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-            config = tuning.hopper_config(d)
-            kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
-                                    smooth_v=True, kv_start=None, kv_end=None, block_n=config["BLOCK_N"],
-                                    k_token_scale=False, v_channel_scale=True, permute_v=True,
-                                    num_warps=config["KV_PASS_WARPS"], v_dither=tuning.v_dither(False))
+            kv = launch.hopper_quantize_kv(q, k, v, sm_scale=d ** -0.5)
             out = torch.empty_like(q)
             flops = 4 * b * h * n * n * d
             for rnd in range(args.rounds):
