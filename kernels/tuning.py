@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from importlib import resources
 
@@ -105,8 +106,9 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
     Otherwise the head dim's CONSUMERS for the plain full-attention build over at most CONSUMERS_UP_TO keys, else 2.
     Three consumers leave each 160 registers a thread; only the plain build fits them without local memory in its
     main loops (offline_build: causal, lse, split, the variants and persistent CTAs spill), at head dim 128 only
-    with P passed through shared memory (``hopper_p_smem``) and a scalar or two reloaded a key tile. They run 8–24 % faster at head dim 64 from 2k keys
-    (eval/results/consumers-*.md) and 2–12 % at head dim 128 from 6k to 32k keys (eval/results/p-smem-*.md).
+    with P passed through shared memory (``hopper_p_smem``) and a scalar or two reloaded a key tile. They run
+    8–24 % faster at head dim 64 from 2k keys (eval/results/consumers-*.md) and 2–12 % at head dim 128 from 6k
+    to 32k keys (eval/results/p-smem-*.md).
     Where the head dim gives CONSUMERS_ROW_GAIN (three consumers' speed a query row over two's in full waves) and
     the call's ``queries`` (a head's query rows), ``batch_heads`` and the GPU's ``sms`` are known, three are taken
     only when their whole waves of CTAs take less time than two's: a grid of a few waves of 192-row CTAs can lose
@@ -122,7 +124,7 @@ def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, spli
         gain = config["CONSUMERS_ROW_GAIN"]
         if consumers == 3 and gain and queries and batch_heads and sms:
             def waves(c):  # whole waves of CTAs of c consumers (64 query rows each) over the SMs, one CTA an SM
-                return -(-(-(-queries // (64 * c)) * batch_heads) // sms)
+                return math.ceil(math.ceil(queries / (64 * c)) * batch_heads / sms)
             if waves(3) * 3 >= waves(2) * 2 * gain:
                 consumers = 2
     return consumers, hopper_stages(head_dim, consumers)

@@ -127,8 +127,6 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     assert len(report["loop_local"]) == consumers * loops, "one main loop (or two) per consumer warpgroup"
     # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
     # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
-    if not (consumers == 3 and config["head_dim"] > 64):
-        assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report
     if consumers == 3 and config["head_dim"] > 64:
         # d128, P through shared memory: ptxas keeps one or two scalars a row (q's score coefficient) on the stack
         # and reloads them each key tile — 84 bytes and one load a tile in one loop with triton 3.6 (the build the
@@ -136,10 +134,12 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
         # (of ≈ 840 instructions a tile; not timed on a GPU)
         assert max(report["loop_local"]) <= 6 and report["spill_bytes"] <= 384, report
     elif consumers == 3:
+        assert max(report["loop_local"]) == 0, report
         # 160 registers a thread: ptxas keeps a few values of the prologue and epilogue on the stack (56 bytes
         # with triton 3.9), loads a work item pays, not a key tile
         assert report["spill_bytes"] <= 64, report
     else:
+        assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report
         assert report["spill_bytes"] == 0, report
         if not config.get("split"):
             assert report["LDL"] == 0 and report["STL"] == 0, report

@@ -239,19 +239,16 @@ def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_spl
             acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
         ds = ring.ds.index(s1).load(col)
-        if cfg.P_SMEM:  # P of this step is not carried: it goes to shared memory once P·V of the last has run
-            p_next, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds,
-                                               ring.kc.index(s1), k_scale, m_i, l_i, first + i + 1, first_row, row0,
-                                               lo_last, BM, qk_layout, MASK)
-        else:
-            p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds,
-                                          ring.kc.index(s1), k_scale, m_i, l_i, first + i + 1, first_row, row0,
-                                          lo_last, BM, qk_layout, MASK)
+        p_next, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds,
+                                           ring.kc.index(s1), k_scale, m_i, l_i, first + i + 1, first_row, row0,
+                                           lo_last, BM, qk_layout, MASK)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty.index(s), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        if cfg.P_SMEM:
+        if cfg.P_SMEM:  # once P·V of this step has run; P is then not carried to the next step
             _p_to_smem(p_next, p_smem, BM, BLOCK_N)
+        else:
+            p = p_next
     return acc, p, m_i, l_i
 
 
