@@ -280,17 +280,24 @@ def hopper_quantize_kv(q, k, v, *, sm_scale: float, qk: str = "int8", smooth_q: 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
                          kv_end, return_lse: bool, stages: int | None = None, persistent: bool | None = None,
                          pv_tiles: int | None = None, window: int = 0, chunk: int = 0,
-                         sinks: torch.Tensor | None = None, softcap: float = 0.0, consumers: int | None = None):
+                         sinks: torch.Tensor | None = None, softcap: float = 0.0, consumers: int | None = None,
+                         solo: bool | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself).
     window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics). ``stages``,
-    ``persistent``, ``pv_tiles``, ``consumers``: the tuned configuration's unless given (to measure others)."""
+    ``persistent``, ``pv_tiles``, ``consumers``, ``solo`` (CTAs of one warpgroup that loads its own tiles,
+    hopper/mainloop.attend_solo): the tuned configuration's unless given (to measure others); ``consumers``,
+    ``persistent`` or ``pv_tiles`` given without ``solo`` launch the warp-specialized CTA they name (SOLO sums
+    one key tile a P·V accumulator)."""
     from .hopper.attention import attention_kernel as hopper_kernel, register_cap
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
     config = tuning.hopper_config(d)
     window, chunk = _key_spans(window, chunk, nk)
-    persistent = config["PERSISTENT"] if persistent is None else persistent
+    if solo is None:
+        solo = consumers is None and pv_tiles is None and not persistent and tuning.hopper_solo(
+            d, persistent=config["PERSISTENT"], causal=is_causal, variant_span=bool(window or chunk))
+    persistent = False if solo else config["PERSISTENT"] if persistent is None else persistent
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     descriptors = kv.derived.get(("hopper", block_n))
     if descriptors is None:
@@ -303,11 +310,14 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
     sms = tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 0
-    consumers = consumers or tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse,
-                                               split=kv.with_split, persistent=persistent,
-                                               variant=bool(window or chunk or softcap or sinks is not None),
-                                               queries=nq, batch_heads=b * hq, sms=sms)[0]
-    stages = stages or tuning.hopper_stages(d, consumers)
+    if solo:
+        consumers = 1
+    elif not consumers:
+        consumers = tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse, split=kv.with_split,
+                                      persistent=persistent,
+                                      variant=bool(window or chunk or softcap or sinks is not None),
+                                      queries=nq, batch_heads=b * hq, sms=sms)[0]
+    stages = stages or tuning.hopper_stages(d, consumers, solo)
     items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
     grid = min(items, sms * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
@@ -322,7 +332,8 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        P_SMEM=tuning.hopper_p_smem(d, consumers), num_warps=4, **tuning.register_cap(register_cap(consumers)),
+        P_SMEM=not solo and tuning.hopper_p_smem(d, consumers), SOLO=solo, num_warps=4,
+        **tuning.register_cap(register_cap(consumers, solo)),
     )
     return lse
 

@@ -41,13 +41,16 @@ def _int32(values):
 
 
 def _shipped(d, causal, lse, kv_range, dtype, split=False, keys=4096):
-    """The build a call over ``keys`` keys launches (tuning.hopper_cta, tuning.hopper_causal_split)."""
+    """The build a call over ``keys`` keys launches (tuning.hopper_solo, hopper_cta, hopper_causal_split)."""
     persistent = tuning.hopper_config(d)["PERSISTENT"]
+    solo = tuning.hopper_solo(d, persistent=persistent, causal=causal)
     consumers, stages = tuning.hopper_cta(d, causal=causal, keys=keys, return_lse=lse, split=split, variant=False,
                                           persistent=persistent)
+    if solo:
+        consumers, stages = 1, tuning.hopper_stages(d, 1, solo=True)
     causal_split = tuning.hopper_causal_split(d, causal=causal, variant_span=False, keys=keys)
     return {"head_dim": d, "stages": stages, "causal": causal, "return_lse": lse, "has_kv_range": kv_range,
-            "dtype": dtype, "persistent": persistent, "consumers": consumers,
+            "dtype": dtype, "persistent": persistent, "consumers": consumers, "solo": solo,
             **({"split": True} if split else {}), **({"causal_split": True} if causal_split else {})}
 
 
@@ -127,7 +130,10 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     assert len(report["loop_local"]) == consumers * loops, "one main loop (or two) per consumer warpgroup"
     # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
     # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
-    if consumers == 3 and config["head_dim"] > 64:
+    if config["solo"]:  # one warpgroup a CTA, its loop (or two) with no local memory; three CTAs an SM
+        assert max(report["loop_local"]) == 0 and report["spill_bytes"] == 0, report
+        assert report["regs"] <= 168 and 3 * (report["shared"] + 1024) <= 228 * 1024, report
+    elif consumers == 3 and config["head_dim"] > 64:
         # d128, P through shared memory: ptxas keeps one or two scalars a row (q's score coefficient) on the stack
         # and reloads them each key tile — 84 bytes and one load a tile in one loop with triton 3.6 (the build the
         # H200 measured faster, eval/results/p-smem-*.md), 328 bytes and 3 / 6 loads in two loops with triton 3.9
@@ -144,7 +150,8 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
         if not config.get("split"):
             assert report["LDL"] == 0 and report["STL"] == 0, report
     assert report["shared"] <= 227 * 1024, report
-    if consumers == 1:  # two CTAs an SM: half its registers, and half its shared memory less 1 KB a CTA reserves
+    if consumers == 1 and not config["solo"]:  # two CTAs an SM: half its registers, and half its shared memory
+        # less 1 KB a CTA reserves
         assert report["regs"] <= 128 and 2 * (report["shared"] + 1024) <= 228 * 1024, report
 
 
@@ -241,6 +248,21 @@ def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_config(128)["BLOCK_N"] == 128 and tuning.hopper_config(256)["BLOCK_N"] == 64
     assert [tuning.hopper_stages(128, c) for c in (1, 2, 3)] == [2, 3, 2]
     assert [tuning.hopper_stages(64, c) for c in (1, 2, 3)] == [2, 2, 2]
+    assert tuning.hopper_stages(128, 1, solo=True) == tuning.hopper_stages(64, 1, solo=True) == 2
+    assert tuning.hopper_solo(128, persistent=False) and tuning.hopper_solo(64, persistent=False)
+    assert not tuning.hopper_solo(256, persistent=False) and not tuning.hopper_solo(128, persistent=True)
+
+
+@pytest.mark.parametrize("version, d128_causal", [("3.6.0", True), ("3.9.1", False), ("3.10.0+git1234", False)])
+def test_solo_for_causal_calls_by_the_triton_that_builds_them(monkeypatch, version, d128_causal):
+    """A causal call without a window or chunk takes SOLO CTAs at head dims 96/128 only with a Triton whose build of
+    them spills nothing (kernels.json SOLO_CAUSAL_TRITON_MAX); d64 and the windowed / full calls always."""
+    monkeypatch.setattr(tuning, "triton_version", lambda: version)
+    assert tuning.hopper_solo(128, persistent=False, causal=True) is d128_causal
+    assert tuning.hopper_solo(96, persistent=False, causal=True) is d128_causal
+    assert tuning.hopper_solo(64, persistent=False, causal=True)
+    assert tuning.hopper_solo(128, persistent=False, causal=True, variant_span=True)
+    assert tuning.hopper_solo(128, persistent=False)
     assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
 
 
@@ -334,19 +356,99 @@ def test_p_through_shared_memory_gives_the_register_operands_output_bit_for_bit(
     assert torch.equal(shared, registers), (shared.float() - registers.float()).abs().max().item()
 
 
+@needs_sm90
+@pytest.mark.parametrize("d, causal, window, lse, ragged", [
+    (128, False, 0, False, False), (64, False, 0, True, True), (128, True, 0, True, False),
+    (128, True, 1000, False, True), (64, True, 0, False, False)])
+def test_solo_cta_agrees_with_the_reference_and_the_shipped_cta(seed, d, causal, window, lse, ragged):
+    """SOLO CTAs (one warpgroup loading its own tiles, each tile's P·V in a fresh accumulator added into FP32
+    registers) against the reference of the kernel's quantization (float32 sums) and against exact attention, as
+    well as the shipped CTA does: a stage refilled before its wgmmas read it, a wrong ring phase, a P·V
+    accumulator that carries across tiles or a missing rescale would all move it far past this. 71 key tiles,
+    GQA, V off zero; a ragged key range, causal with and without a window, the lse."""
+    from hf_qattn import reference
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, hq, hk, n = 2, 4, 2, 9000
+    q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = v + 0.3
+    kv_start = torch.zeros(b, device="cuda", dtype=torch.int32) if ragged else None
+    kv_end = torch.tensor([n, n - 777], device="cuda", dtype=torch.int32) if ragged else None
+    sm_scale = d ** -0.5
+    kv = launch.hopper_quantize_kv(q, k, v, sm_scale=sm_scale, kv_start=kv_start, kv_end=kv_end)
+    outs, lses = {}, {}
+    for solo in (True, False):
+        outs[solo] = torch.full_like(q, float("nan"))
+        lses[solo] = launch.hopper_kernel_launch(q, hk, n, kv, outs[solo], is_causal=causal, sm_scale=sm_scale,
+                                                 qk="int8", kv_end=kv_end, return_lse=lse, window=window,
+                                                 solo=solo)
+    spans = {"window": window} if window else {}
+    ref, ref_lse = reference.quantized_attention(q, k, v, is_causal=causal, sm_scale=sm_scale, qk="int8",
+                                                 kv_end=kv_end, return_lse=True, **spans,
+                                                 **tuning.hopper_reference_settings())
+    exact = reference.exact_attention(q, k, v, is_causal=causal, sm_scale=sm_scale, kv_end=kv_end, **spans)
+    solo, shipped = outs[True].float(), outs[False].float()
+    assert torch.isfinite(solo).all()
+    assert (solo - ref.float()).abs().amax() <= 0.02 * ref.float().abs().amax()
+    rel_l1 = {name: ((o - exact.float()).abs().sum() / exact.float().abs().sum()).item()
+              for name, o in (("solo", solo), ("shipped", shipped), ("reference", ref.float()))}
+    assert rel_l1["solo"] <= 1.05 * rel_l1["shipped"] + 1e-4, rel_l1
+    assert rel_l1["solo"] <= rel_l1["reference"] + 0.005, rel_l1
+    if lse:
+        assert (lses[True] - ref_lse).abs().nan_to_num(0.0).amax() <= 0.01
+        assert torch.equal(torch.isinf(lses[True]), torch.isinf(ref_lse))
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_shipped_path_error_does_not_grow_with_length_to_131k_keys(causal):
+    """The Hopper path as a call takes it (SOLO CTAs at d128 where tuning picks them) against float32 attention on
+    256 query rows spread over the sequence, at 4k, 75.6k (Wan-14B-720p's video) and 131k keys (128k context),
+    B1 H2 d128 bf16, K with a channel offset: with V of mean 0.3 RelL1 at 131k at most 1.2× its value at 4k (an
+    FP8 P·V accumulator summed over too many tiles grows it 7.5×: issue 22), and with zero-mean V — where the part
+    attention selects is all there is — cosine ≥ 0.999 at every length."""
+    results = {}
+    for n in (4096, 75600, 131072):
+        g = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v = (torch.randn(1, 2, n, 128, device="cuda", generator=g) for _ in range(3))
+        k += 2.0 * torch.randn(1, 2, 1, 128, device="cuda", generator=g)
+        rows = torch.linspace(0, n - 1, 256, device="cuda").long()
+        mask = torch.arange(n, device="cuda")[None, :] <= rows[:, None] if causal else None
+        for v_kind, shift in (("v-mean", 0.3), ("zero-mean", 0.0)):
+            qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v + shift))
+            out = torch.empty_like(qb)
+            launch.hopper_attention(qb, kb, vb, out, is_causal=causal, sm_scale=128 ** -0.5, qk="int8",
+                                    smooth_q=True, smooth_k=True, smooth_v=True, kv_start=None, kv_end=None,
+                                    return_lse=False)
+            ref = torch.nn.functional.scaled_dot_product_attention(qb[:, :, rows].float(), kb.float(), vb.float(),
+                                                                   attn_mask=mask)
+            got = out[:, :, rows].float()
+            results[v_kind, n] = ((got - ref).abs().sum() / ref.abs().sum()).item(), \
+                torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+    assert results["v-mean", 131072][0] <= 1.2 * results["v-mean", 4096][0], results
+    assert results["v-mean", 75600][0] <= 1.2 * results["v-mean", 4096][0], results
+    assert min(cos for (kind, _), (_, cos) in results.items() if kind == "zero-mean") >= 0.999, results
+
+
 @needs_gluon
-@pytest.mark.parametrize("d, keys, causal, consumers, p_smem", [
-    (128, 16384, False, 3, True),  # plain full attention over 8193–32768 keys at d128: three consumers, P in smem
-    (128, 65536, False, 2, False),  # beyond 32k keys: two, P in registers
-    (128, 8192, False, 1, False),  # up to 8192 keys: one consumer
-    (128, 16384, True, 1, False),  # causal: one consumer
-    (64, 16384, False, 3, False),  # d64: three consumers, P in registers
+@pytest.mark.parametrize("d, keys, causal, solo, consumers, p_smem", [
+    (128, 16384, False, True, 1, False),  # head dims up to 128: SOLO CTAs of one warpgroup, every call
+    (64, 4096, True, True, 1, False),
+    (256, 16384, False, False, 2, False),  # head dim 256: two consumers, P in registers
+    # the warp-specialized CTAs where SOLO is off (kernels.json SOLO false):
+    (128, 16384, False, False, 3, True),  # plain full attention over 8193–32768 keys at d128: three consumers, P in smem
+    (128, 65536, False, False, 2, False),  # beyond 32k keys: two, P in registers
+    (128, 8192, False, False, 1, False),  # up to 8192 keys: one consumer
+    (128, 16384, True, False, 1, False),  # causal: one consumer
+    (64, 16384, False, False, 3, False),  # d64: three consumers, P in registers
 ])
-def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys, causal, consumers, p_smem):
-    """hopper_kernel_launch hands the kernel the CTA shape (consumers, stages, grid) and the P path (P_SMEM) that
-    tuning decides for the call, on the CPU with the launch recorded instead of run. A launch that built the three
-    d128 consumers with P in registers would spill (the offline build's test) and run slower, while every GPU
-    output stayed right: only this sees it."""
+def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys, causal, solo, consumers, p_smem):
+    """hopper_kernel_launch hands the kernel the CTA shape (SOLO, consumers, stages, grid, register cap) and the P
+    path (P_SMEM) that tuning decides for the call, on the CPU with the launch recorded instead of run. A launch
+    that built the three d128 consumers with P in registers would spill (the offline build's test) and run slower,
+    and SOLO CTAs without their register cap would hold an SM alone, while every GPU output stayed right: only
+    this sees it."""
     launched = {}
 
     class Recorder:
@@ -355,7 +457,12 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
                 launched.update(kwargs, grid=grid)
             return launch_kernel
 
+    from hf_qattn.kernels.hopper.attention import register_cap
+
     monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)  # the GPU's launch options (the register cap)
+    if not solo and d <= 128:
+        monkeypatch.setattr(tuning, "hopper_solo", lambda head_dim, **call: False)
     b, hq, hk = 1, 2, 1
     block_n, d_pad = tuning.hopper_config(d)["BLOCK_N"], tuning.padded_head_dim(d)
     tiles = keys // block_n
@@ -367,9 +474,11 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
     q = torch.zeros(b, hq, keys, d, dtype=torch.float16)
     launch.hopper_kernel_launch(q, hk, keys, kv, torch.empty_like(q), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
                                 kv_end=None, return_lse=False)
-    assert (launched["CONSUMERS"], launched["P_SMEM"]) == (consumers, p_smem), launched
-    assert launched["STAGES"] == tuning.hopper_stages(d, consumers)
+    assert (launched["SOLO"], launched["CONSUMERS"], launched["P_SMEM"]) == (solo, consumers, p_smem), launched
+    assert launched["STAGES"] == tuning.hopper_stages(d, consumers, solo)
     assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * b * hq,)
+    assert launched.get("maxnreg", 0) == register_cap(consumers, solo)
+    assert not launched["PERSISTENT"]
 
 
 @pytest.mark.parametrize("softcap, split", [(0.0, False), (30.0, True)])

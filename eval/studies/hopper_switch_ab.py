@@ -6,7 +6,8 @@ The Gluon kernel alone on one K/V pass's output, B4 H32 fp16 (``--batch``, ``--h
 and ``--sinks`` for every shape): the tuned settings (A) against the same with ``--set`` applied (B), in
 alternating rounds in one process so that the host's and the clock's drift falls on both alike. ``CONSUMERS``
 and ``STAGES`` in ``--set`` are forced on every build through the launch's arguments (A runs what
-tuning.hopper_cta picks); other keys replace kernels.json's. The best round's median of
+tuning.hopper_solo / hopper_cta pick), and ``SOLO=true`` / ``false`` launches the one-warpgroup CTA
+(hopper/mainloop.attend_solo) or the warp-specialized one; other keys replace kernels.json's. The best round's median of
 ``triton.testing.do_bench`` (``timing.bench_ms``) each; TOPS = 4·B·H·d·(keys each query sees: N, or i + 1 for
 causal row i, at most the window) / time. Every shape first compares A's and B's outputs: ``--same-output``
 requires them bit for bit (a setting that only reorders work), else their largest difference is shown.
@@ -68,7 +69,8 @@ def main():
             return lambda: launch.hopper_kernel_launch(q, hk, n, kv, outs[side], is_causal=bool(causal),
                                                        sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
                                                        window=args.window, sinks=sinks,
-                                                       consumers=forced.get("CONSUMERS"), stages=forced.get("STAGES"))
+                                                       consumers=forced.get("CONSUMERS"), stages=forced.get("STAGES"),
+                                                       solo=forced.get("SOLO"))
 
         for side in "AB":
             call(side)()

@@ -1,6 +1,7 @@
-"""The kernel: CTAs of CONSUMERS (1, 2 or 3: tuning.hopper_cta) consumer warpgroups of 64 query rows
-(``consumer``, FA3's "MMA + softmax" role) and one loader warp (``load_kv``), meeting on a ring of STAGES
-shared-memory stages. A work item is 64·CONSUMERS query rows of one batch·query-head; the scheduler
+"""The kernel: SOLO CTAs (tuning.hopper_solo: one warpgroup of 64 query rows that loads its own key tiles,
+``mainloop.attend_solo``, three an SM), or CTAs of CONSUMERS (1, 2 or 3: tuning.hopper_cta) consumer warpgroups
+of 64 query rows (``consumer``, FA3's "MMA + softmax" role) and one loader warp (``load_kv``), meeting on a ring
+of STAGES shared-memory stages. A work item is 64·CONSUMERS query rows of one batch·query-head; the scheduler
 (``scheduler.py``) deals items to CTAs, one each, or, with PERSISTENT, many to each of one CTA per SM.
 
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
@@ -18,8 +19,8 @@ consumers mask and cap scores, the epilogue adds the sinks.
 
 from .epilogue import store_output
 from .gluon_api import gl, gluon, mbarrier
-from .loader import load_kv
-from .mainloop import attend, quantize_q
+from .loader import load_kv, tile_rows
+from .mainloop import attend, attend_solo, quantize_q
 from .params import Config, Problem, Ring
 from .scheduler import item_range, key_tiles, work_item
 
@@ -39,15 +40,21 @@ LOADER_REGISTERS = gl.constexpr(24)
 # CTAs share an SM and one's prologue and epilogue run under the other's main loop; the consumer takes 232
 # (setmaxnreg), the loader's warpgroup 24
 ONE_CONSUMER_MAXNREG = 128
+# SOLO (one warpgroup, no loader): 168 registers a thread let three CTAs share an SM (3 × 128 × 168 of 64K), so
+# three warpgroups' steps overlap without sharing a ring; the FP32 output, S (then P·V) and the rest fit them
+SOLO_MAXNREG = 168
 
 
-def register_cap(consumers: int) -> int:
+def register_cap(consumers: int, solo: bool = False) -> int:
     """The launch's cap on registers a thread for a CTA of ``consumers`` warpgroups (0: none, the whole SM's)."""
+    if solo:
+        return SOLO_MAXNREG
     return ONE_CONSUMER_MAXNREG if consumers == 1 else 0
 
 
 @gluon.jit
-def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, WARPGROUP: gl.constexpr):
+def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, descs,
+                 WARPGROUP: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
     position after it (``base`` + its key tiles, counted as the loader counts them)."""
     BM: gl.constexpr = 64
@@ -68,14 +75,20 @@ def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift
     row0 = cta_row0 + WARPGROUP * BM
     q_coef, q_split, q_cap = quantize_q(prob, cfg, q_smem, shift_smem, b, h, bhq, bhk, prob.SPLIT_CHANNEL + bhk,
                                         row0, BM, qk_layout, o_layout)
-    acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_smem, KS_bh, base, first,
-                           end - first, cta_row0, row0, BM, qk_layout, o_layout)
+    if cfg.SOLO:
+        k_desc, vt_desc, ds_desc = descs
+        acc, l_i, m_i = attend_solo(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, KS_bh, k_desc, vt_desc, ds_desc,
+                                    tile_rows(prob, cfg, bhq, bhk), first, end - first, cta_row0, row0, BM,
+                                    qk_layout, o_layout)
+    else:
+        acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_smem, KS_bh, base,
+                               first, end - first, cta_row0, row0, BM, qk_layout, o_layout)
     store_output(prob, cfg, acc, l_i, m_i, shift_smem, b, h, bhq, bhk, row0, BM, o_layout)
     return base + (end - first)
 
 
 @gluon.jit
-def consumer(cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, WARPGROUP: gl.constexpr):
+def consumer(cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, WARPGROUP: gl.constexpr, descs=None):
     q_smem = q_all.index(WARPGROUP)
     o_smem = o_all.index(WARPGROUP)
     m_smem = m_all.index(WARPGROUP)
@@ -85,9 +98,11 @@ def consumer(cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, WARPGROUP: 
         first, step = item_range(prob.NUM_ITEMS, cfg.PERSISTENT)
         base = 0  # the ring's tiles consumed before this item (the loader counts alike)
         for t in range(first, prob.NUM_ITEMS, step):
-            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, WARPGROUP)
+            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, descs,
+                                WARPGROUP)
     else:
-        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, WARPGROUP)
+        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, descs,
+                     WARPGROUP)
 
 
 @gluon.jit
@@ -100,13 +115,13 @@ def attention_kernel(
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr, CONSUMERS: gl.constexpr,
     WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr, V_DITHER: gl.constexpr,
-    CAUSAL_SPLIT: gl.constexpr, P_SMEM: gl.constexpr,
+    CAUSAL_SPLIT: gl.constexpr, P_SMEM: gl.constexpr, SOLO: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
     BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
                  RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT,
-                 P_SMEM)
+                 P_SMEM, SOLO)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                    NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)
@@ -116,11 +131,13 @@ def attention_kernel(
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D_PAD, BLOCK_N], vt_desc.layout)
     ds_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
     kc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)  # split channel of K
-    # each consumer warpgroup's FP32 output sum (two-level accumulation, mainloop.py)
-    o_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, D_PAD],
-                                      gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.float32))
-    # and its row maxima
+    # each consumer warpgroup's row maxima at its FP32 output sum's last flush
     m_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if SOLO:  # its FP32 output lives in registers (mainloop.attend_solo)
+        o_all = m_all
+    else:  # each consumer warpgroup's FP32 output sum (two-level accumulation, mainloop.py)
+        o_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, D_PAD],
+                                          gl.NVMMASharedLayout.get_default_for([64, D_PAD], gl.float32))
     # each row's sm_scale·q·k̄ from the prologue for the epilogue (the lse and the sinks need it): shared memory,
     # not registers (two registers a row all loop long spilled), nor Q read again (at head dim 256 the
     # reloaded rows beside the accumulator spilled the epilogue); m_all stands in where nothing needs it
@@ -140,7 +157,9 @@ def attention_kernel(
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer warpgroup releases a stage
     ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty)
 
-    if CONSUMERS == 3:
+    if SOLO:  # no partitions: the one warpgroup loads its tiles itself
+        consumer(cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 0, (k_desc, vt_desc, ds_desc))
+    elif CONSUMERS == 3:
         gl.warp_specialize([
             (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 0)),
             (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 1)),

@@ -31,6 +31,10 @@ PV_TILES tiles; then it is added into ``o_smem``, an FP32 sum in shared memory k
 of its last flush (m_flush) and rescaled only when flushed. Shared memory, not registers: a second
 64-register accumulator carried through the loop spilled the causal main loop.
 
+SOLO (``attend_solo``): a CTA of one warpgroup that issues its own TMA loads and runs each tile's steps in
+turn — S, softmax, P·V into a fresh accumulator, O = O·α + P·V in FP32 registers — three such CTAs an SM
+overlapping one another's steps instead of the order above (eval/results/solo-*.md).
+
 Variants (constexpr switches, off by default at no cost): WINDOW / CHUNK visit only the key tiles
 [first, first + n) the scheduler gives, masking the tiles that cross a row's window or chunk start
 (``first_key``) or the diagonal; the tiles between them run unmasked. SOFTCAP caps the true score:
@@ -40,6 +44,7 @@ back before the tanh, so capped scores are true scores (the epilogue adds no shi
 
 from .. import formats
 from .gluon_api import fence_async_shared, gl, gluon, mbarrier, partition_barrier, warpgroup_mma, warpgroup_mma_wait
+from .loader import load_tile
 from .scheduler import first_key
 
 _ROUND_MAGIC = gl.constexpr(formats.ROUND_MAGIC)
@@ -208,6 +213,21 @@ def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _variant_constants(cfg, prob, row0, BM: gl.constexpr):
+    """The variants' per-item constants of the softmax (0 where their switch is off): ``lo_last``, the first key
+    the warpgroup's last row sees (WINDOW / CHUNK), and SOFTCAP's ``cap_in`` = 2/c, ``cap_out`` = c·log2 e."""
+    lo_last = 0
+    if cfg.WINDOW or cfg.CHUNK:
+        lo_last = first_key(prob, cfg, row0 + BM - 1 + (prob.NK - prob.NQ))
+    cap_in = 0.0
+    cap_out = 0.0
+    if cfg.SOFTCAP:
+        cap_in = 2.0 / prob.softcap
+        cap_out = prob.softcap * _LOG2E
+    return lo_last, cap_in, cap_out
+
+
+@gluon.jit
 def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out,
            qk_zero, base, first, lo, hi, acc, p, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr,
            qk_layout: gl.constexpr, o_layout: gl.constexpr, MASK: gl.constexpr):
@@ -274,14 +294,7 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_sm
     l_i = gl.full([BM], 0.0, gl.float32, layout=row)
     acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)  # the wgmma accumulator: ≤ PV_TILES tiles
     qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
-    lo_last = 0
-    if cfg.WINDOW or cfg.CHUNK:
-        lo_last = first_key(prob, cfg, row0 + BM - 1 + (prob.NK - prob.NQ))
-    cap_in = 0.0
-    cap_out = 0.0
-    if cfg.SOFTCAP:
-        cap_in = 2.0 / prob.softcap
-        cap_out = prob.softcap * _LOG2E
+    lo_last, cap_in, cap_out = _variant_constants(cfg, prob, row0, BM)
     if n > 0:
         k_scale = _k_scale(cfg, KS_bh, first, col)
         s0 = base % STAGES
@@ -319,3 +332,70 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_sm
         if n > PV_TILES + 1:  # a flush happened (at tile PV_TILES < n − 1)
             acc = _flushed(o_smem, m_smem, acc, m_i, False, o_layout)
     return acc, l_i, m_i
+
+
+@gluon.jit
+def _solo_steps(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, cap_in, cap_out, KS_bh, k_desc, vt_desc, ds_desc,
+                rows, qk_zero, pv_zero, first, n, lo, hi, o, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr,
+                qk_layout: gl.constexpr, o_layout: gl.constexpr, MASK: gl.constexpr):
+    """SOLO's tiles i in [lo, hi) of the item's n: wait for stage i % STAGES, S = Q̂·K̂ᵀ, softmax, P̂·V̂ᵀ into a
+    fresh wgmma accumulator (S's registers are dead by then), refill the stage with tile i + STAGES, and
+    O = O·2^(m_old − m) + P̂·V̂ᵀ. Returns (O, m, l)."""
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    STAGES: gl.constexpr = cfg.STAGES
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    col: gl.constexpr = gl.SliceLayout(0, qk_layout)
+    for i in range(lo, hi):
+        s = i % STAGES
+        k_scale = _k_scale(cfg, KS_bh, first + i, col)
+        mbarrier.wait(ring.ready.index(s), (i // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        ds = ring.ds.index(s).load(col)
+        p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s),
+                                      k_scale, m_i, l_i, first + i, first_row, row0, lo_last, BM, qk_layout, MASK)
+        pv = warpgroup_mma(_p_operand(p, BM, BLOCK_N, p_layout), ring.v.index(s).permute((1, 0)), pv_zero,
+                           use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        partition_barrier()  # all four warps are done with stage s (ΔS by loads, K̂ and V̂ᵀ by their wgmmas)
+        if i + STAGES < n:
+            load_tile(cfg, ring, k_desc, vt_desc, ds_desc, s, (first + i + STAGES) * BLOCK_N, rows)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + pv
+    return o, m_i, l_i
+
+
+@gluon.jit
+def attend_solo(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, KS_bh, k_desc, vt_desc, ds_desc, rows, first, n,
+                first_row, row0, BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
+    """SOLO: one warpgroup that loads its own key tiles and runs each tile's steps one after another, as
+    SageAttention2's sm90 kernel does — three such CTAs share an SM and overlap one another's steps, where the
+    warp-specialized CTA overlaps a loader and consumers on one ring. The FP32 output lives in registers and each
+    tile's P̂·V̂ᵀ is added into it (two-level accumulation at one tile, one FFMA an element, no flush to shared
+    memory). The first STAGES tiles are in flight before the loop; CAUSAL_SPLIT runs the tiles left of the first
+    row's diagonal without the mask's code, as ``attend``. Returns (O unnormalized, l, m) as ``attend``."""
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    STAGES: gl.constexpr = cfg.STAGES
+    MASKED: gl.constexpr = cfg.CAUSAL or cfg.WINDOW or cfg.CHUNK
+    row: gl.constexpr = gl.SliceLayout(1, qk_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row)
+    l_i = gl.full([BM], 0.0, gl.float32, layout=row)
+    o = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
+    qk_zero = gl.zeros([BM, BLOCK_N], gl.int32, layout=qk_layout)
+    pv_zero = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
+    lo_last, cap_in, cap_out = _variant_constants(cfg, prob, row0, BM)
+    for j in gl.static_range(STAGES):
+        if j < n:
+            load_tile(cfg, ring, k_desc, vt_desc, ds_desc, j, (first + j) * BLOCK_N, rows)
+    if cfg.CAUSAL_SPLIT:
+        n_plain = gl.minimum(gl.maximum(first_row + (prob.NK - prob.NQ) + 1, 0) // BLOCK_N, n)
+        o, m_i, l_i = _solo_steps(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, cap_in, cap_out, KS_bh, k_desc,
+                                  vt_desc, ds_desc, rows, qk_zero, pv_zero, first, n, 0, n_plain, o, m_i, l_i,
+                                  first_row, row0, lo_last, BM, qk_layout, o_layout, False)
+        o, m_i, l_i = _solo_steps(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, cap_in, cap_out, KS_bh, k_desc,
+                                  vt_desc, ds_desc, rows, qk_zero, pv_zero, first, n, n_plain, n, o, m_i, l_i,
+                                  first_row, row0, lo_last, BM, qk_layout, o_layout, True)
+    else:
+        o, m_i, l_i = _solo_steps(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, cap_in, cap_out, KS_bh, k_desc,
+                                  vt_desc, ds_desc, rows, qk_zero, pv_zero, first, n, 0, n, o, m_i, l_i, first_row,
+                                  row0, lo_last, BM, qk_layout, o_layout, MASKED)
+    return o, l_i, m_i
