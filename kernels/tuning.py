@@ -161,6 +161,7 @@ def triton_version() -> str:
     return triton.__version__
 
 
+@functools.lru_cache(maxsize=None)
 def _version(text: str) -> tuple[int, int]:
     major, minor = text.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
