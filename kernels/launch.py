@@ -294,10 +294,12 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     b, hq, nq, d = q.shape
     config = tuning.hopper_config(d)
     window, chunk = _key_spans(window, chunk, nk)
+    persistent = config["PERSISTENT"] if persistent is None else persistent
     if solo is None:
-        solo = consumers is None and pv_tiles is None and not persistent and tuning.hopper_solo(
-            d, persistent=config["PERSISTENT"], causal=is_causal, variant_span=bool(window or chunk))
-    persistent = False if solo else config["PERSISTENT"] if persistent is None else persistent
+        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(
+            d, persistent=persistent, causal=is_causal, variant_span=bool(window or chunk))
+    elif solo:
+        tuning.check_solo(d, persistent=persistent)
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     descriptors = kv.derived.get(("hopper", block_n))
     if descriptors is None:

@@ -155,6 +155,15 @@ def hopper_solo(head_dim: int, *, persistent: bool, causal: bool = False, varian
     return True
 
 
+def check_solo(head_dim: int, *, persistent: bool) -> None:
+    """Refuse a SOLO CTA asked for explicitly where it cannot run: past head dim 128 (a 64×D FP32 output and a
+    fresh P·V accumulator do not fit 168 registers) or on a persistent grid (a SOLO CTA runs one work item)."""
+    if padded_head_dim(head_dim) > 128:
+        raise ValueError(f"solo: SOLO CTAs serve head dims up to 128, got {head_dim}")
+    if persistent:
+        raise ValueError("solo: SOLO CTAs run one work item each; persistent must be False")
+
+
 def triton_version() -> str:
     import triton
 

@@ -360,10 +360,10 @@ def test_p_through_shared_memory_gives_the_register_operands_output_bit_for_bit(
 @pytest.mark.parametrize("d, causal, window, lse, ragged", [
     (128, False, 0, False, False), (64, False, 0, True, True), (128, True, 0, True, False),
     (128, True, 1000, False, True), (64, True, 0, False, False)])
-def test_solo_cta_agrees_with_the_reference_and_the_shipped_cta(seed, d, causal, window, lse, ragged):
+def test_solo_cta_agrees_with_the_reference_and_the_warp_specialized_cta(seed, d, causal, window, lse, ragged):
     """SOLO CTAs (one warpgroup loading its own tiles, each tile's P·V in a fresh accumulator added into FP32
     registers) against the reference of the kernel's quantization (float32 sums) and against exact attention, as
-    well as the shipped CTA does: a stage refilled before its wgmmas read it, a wrong ring phase, a P·V
+    well as the warp-specialized CTA does: a stage refilled before its wgmmas read it, a wrong ring phase, a P·V
     accumulator that carries across tiles or a missing rescale would all move it far past this. 71 key tiles,
     GQA, V off zero; a ragged key range, causal with and without a window, the lse."""
     from hf_qattn import reference
@@ -388,12 +388,12 @@ def test_solo_cta_agrees_with_the_reference_and_the_shipped_cta(seed, d, causal,
                                                  kv_end=kv_end, return_lse=True, **spans,
                                                  **tuning.hopper_reference_settings())
     exact = reference.exact_attention(q, k, v, is_causal=causal, sm_scale=sm_scale, kv_end=kv_end, **spans)
-    solo, shipped = outs[True].float(), outs[False].float()
+    solo, specialized = outs[True].float(), outs[False].float()
     assert torch.isfinite(solo).all()
     assert (solo - ref.float()).abs().amax() <= 0.02 * ref.float().abs().amax()
     rel_l1 = {name: ((o - exact.float()).abs().sum() / exact.float().abs().sum()).item()
-              for name, o in (("solo", solo), ("shipped", shipped), ("reference", ref.float()))}
-    assert rel_l1["solo"] <= 1.05 * rel_l1["shipped"] + 1e-4, rel_l1
+              for name, o in (("solo", solo), ("specialized", specialized), ("reference", ref.float()))}
+    assert rel_l1["solo"] <= 1.05 * rel_l1["specialized"] + 1e-4, rel_l1
     assert rel_l1["solo"] <= rel_l1["reference"] + 0.005, rel_l1
     if lse:
         assert (lses[True] - ref_lse).abs().nan_to_num(0.0).amax() <= 0.01
@@ -432,18 +432,19 @@ def test_shipped_path_error_does_not_grow_with_length_to_131k_keys(causal):
 
 
 @needs_gluon
-@pytest.mark.parametrize("d, keys, causal, solo, consumers, p_smem", [
-    (128, 16384, False, True, 1, False),  # head dims up to 128: SOLO CTAs of one warpgroup, every call
-    (64, 4096, True, True, 1, False),
-    (256, 16384, False, False, 2, False),  # head dim 256: two consumers, P in registers
+@pytest.mark.parametrize("d, keys, causal, solo, consumers, stages, p_smem", [
+    (128, 16384, False, True, 1, 2, False),  # head dims up to 128: SOLO CTAs of one warpgroup, every call
+    (64, 4096, True, True, 1, 2, False),
+    (256, 16384, False, False, 2, 2, False),  # head dim 256: two consumers, P in registers
     # the warp-specialized CTAs where SOLO is off (kernels.json SOLO false):
-    (128, 16384, False, False, 3, True),  # plain full attention over 8193–32768 keys at d128: three consumers, P in smem
-    (128, 65536, False, False, 2, False),  # beyond 32k keys: two, P in registers
-    (128, 8192, False, False, 1, False),  # up to 8192 keys: one consumer
-    (128, 16384, True, False, 1, False),  # causal: one consumer
-    (64, 16384, False, False, 3, False),  # d64: three consumers, P in registers
+    (128, 16384, False, False, 3, 2, True),  # full attention over 8193–32768 keys at d128: three consumers, P in smem
+    (128, 65536, False, False, 2, 3, False),  # beyond 32k keys: two, P in registers
+    (128, 8192, False, False, 1, 2, False),  # up to 8192 keys: one consumer
+    (128, 16384, True, False, 1, 2, False),  # causal: one consumer
+    (64, 16384, False, False, 3, 2, False),  # d64: three consumers, P in registers
 ])
-def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys, causal, solo, consumers, p_smem):
+def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys, causal, solo, consumers, stages,
+                                                            p_smem):
     """hopper_kernel_launch hands the kernel the CTA shape (SOLO, consumers, stages, grid, register cap) and the P
     path (P_SMEM) that tuning decides for the call, on the CPU with the launch recorded instead of run. A launch
     that built the three d128 consumers with P in registers would spill (the offline build's test) and run slower,
@@ -456,8 +457,6 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
             def launch_kernel(*args, **kwargs):
                 launched.update(kwargs, grid=grid)
             return launch_kernel
-
-    from hf_qattn.kernels.hopper.attention import register_cap
 
     monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
     monkeypatch.setattr(tuning, "interpreting", lambda: False)  # the GPU's launch options (the register cap)
@@ -475,10 +474,57 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
     launch.hopper_kernel_launch(q, hk, keys, kv, torch.empty_like(q), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
                                 kv_end=None, return_lse=False)
     assert (launched["SOLO"], launched["CONSUMERS"], launched["P_SMEM"]) == (solo, consumers, p_smem), launched
-    assert launched["STAGES"] == tuning.hopper_stages(d, consumers, solo)
+    assert launched["STAGES"] == stages
     assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * b * hq,)
-    assert launched.get("maxnreg", 0) == register_cap(consumers, solo)
+    assert launched.get("maxnreg", 0) == (168 if solo else 128 if consumers == 1 else 0)
     assert not launched["PERSISTENT"]
+
+
+def _recorded_launch(monkeypatch, d=128, keys=4096, **call) -> dict:
+    """The keywords hopper_kernel_launch gives the kernel for a call (CPU: the launch recorded, not run)."""
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.update(kwargs, grid=grid)
+
+    monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
+    d_pad, tiles = tuning.padded_head_dim(d), keys // tuning.hopper_config(d)["BLOCK_N"]
+    kv = launch.QuantizedKV(
+        kq=torch.zeros(keys, d_pad, dtype=torch.int8), ks=torch.zeros(1, tiles),
+        vq=torch.zeros(d_pad, keys, dtype=torch.float8_e4m3fn), vs=torch.zeros(1, 2, d_pad), ds=torch.zeros(2, keys),
+        split=torch.zeros(0, dtype=torch.int32), q_bar=torch.zeros(2, d), k_bar=torch.zeros(1, d),
+        v_bar=torch.zeros(1, d), nk_pad=keys, tiles=tiles)
+    q = torch.zeros(1, 2, keys, d, dtype=torch.float16)
+    launch.hopper_kernel_launch(q, 1, keys, kv, torch.empty_like(q), sm_scale=d ** -0.5, qk="int8", kv_end=None,
+                                return_lse=False, **call)
+    return launched
+
+
+@needs_gluon
+def test_launch_asks_tuning_for_solo_with_the_calls_causality_and_span(monkeypatch):
+    """With a Triton whose causal d128 SOLO build spills (kernels.json SOLO_CAUSAL_TRITON_MAX), a plain causal call
+    launches the warp-specialized CTA and a windowed or full one SOLO: the launch must hand tuning.hopper_solo the
+    call's causality and window, not defaults."""
+    monkeypatch.setattr(tuning, "triton_version", lambda: "3.9.0")
+    assert not _recorded_launch(monkeypatch, is_causal=True)["SOLO"]
+    assert _recorded_launch(monkeypatch, is_causal=True, window=1024)["SOLO"]
+    assert _recorded_launch(monkeypatch, is_causal=False)["SOLO"]
+    monkeypatch.setattr(tuning, "triton_version", lambda: "3.6.0")
+    assert _recorded_launch(monkeypatch, is_causal=True)["SOLO"]
+
+
+@needs_gluon
+def test_an_explicit_solo_launch_that_cannot_run_is_refused(monkeypatch):
+    """SOLO asked for past head dim 128 or with a persistent grid is a ValueError naming the argument, not a
+    KeyError, a spilled build or a hang (a SOLO CTA's ring restarts at each work item); an explicit warp-specialized
+    shape (consumers, pv_tiles) is honoured."""
+    with pytest.raises(ValueError, match="solo: .*head dims up to 128"):
+        _recorded_launch(monkeypatch, d=256, is_causal=False, solo=True)
+    with pytest.raises(ValueError, match="solo: .*persistent"):
+        _recorded_launch(monkeypatch, is_causal=False, solo=True, persistent=True)
+    assert not _recorded_launch(monkeypatch, is_causal=False, consumers=2)["SOLO"]
+    assert not _recorded_launch(monkeypatch, is_causal=False, pv_tiles=8)["SOLO"]
 
 
 @pytest.mark.parametrize("softcap, split", [(0.0, False), (30.0, True)])

@@ -118,6 +118,8 @@ def attention_kernel(
     CAUSAL_SPLIT: gl.constexpr, P_SMEM: gl.constexpr, SOLO: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
+    gl.static_assert(not (SOLO and PERSISTENT), "a SOLO CTA runs one work item (its ring restarts at each)")
+    gl.static_assert(not (CAUSAL_SPLIT and (WINDOW or CHUNK)), "the split counts tiles from key 0, not a span's start")
     BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
                  RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT,

@@ -52,6 +52,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
             head_dim, persistent=persistent, causal=causal, variant_span=window or chunk)
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
     if solo:
+        tuning.check_solo(head_dim, persistent=persistent)
         consumers, p_smem = 1, False
         stages = tuning.hopper_stages(head_dim, 1, solo=True) if stages is None else stages
     if consumers is None:
