@@ -431,6 +431,28 @@ def test_shipped_path_error_does_not_grow_with_length_to_131k_keys(causal):
     assert min(cos for (kind, _), (_, cos) in results.items() if kind == "zero-mean") >= 0.999, results
 
 
+def _recorded_launch(monkeypatch, d=128, keys=4096, **call) -> dict:
+    """The keywords hopper_kernel_launch gives the kernel for a call (CPU: the launch recorded, not run)."""
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.update(kwargs, grid=grid)
+
+    monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)  # the GPU's launch options (the register cap)
+    d_pad, tiles = tuning.padded_head_dim(d), keys // tuning.hopper_config(d)["BLOCK_N"]
+    kv = launch.QuantizedKV(
+        kq=torch.zeros(keys, d_pad, dtype=torch.int8), ks=torch.zeros(1, tiles),
+        vq=torch.zeros(d_pad, keys, dtype=torch.float8_e4m3fn), vs=torch.zeros(1, 2, d_pad), ds=torch.zeros(2, keys),
+        split=torch.zeros(0, dtype=torch.int32), q_bar=torch.zeros(2, d), k_bar=torch.zeros(1, d),
+        v_bar=torch.zeros(1, d), nk_pad=keys, tiles=tiles)
+    q = torch.zeros(1, 2, keys, d, dtype=torch.float16)
+    launch.hopper_kernel_launch(q, 1, keys, kv, torch.empty_like(q), sm_scale=d ** -0.5, qk="int8", kv_end=None,
+                                return_lse=False, **call)
+    return launched
+
+
 @needs_gluon
 @pytest.mark.parametrize("d, keys, causal, solo, consumers, stages, p_smem", [
     (128, 16384, False, True, 1, 2, False),  # head dims up to 128: SOLO CTAs of one warpgroup, every call
@@ -450,55 +472,14 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
     that built the three d128 consumers with P in registers would spill (the offline build's test) and run slower,
     and SOLO CTAs without their register cap would hold an SM alone, while every GPU output stayed right: only
     this sees it."""
-    launched = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch_kernel(*args, **kwargs):
-                launched.update(kwargs, grid=grid)
-            return launch_kernel
-
-    monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
-    monkeypatch.setattr(tuning, "interpreting", lambda: False)  # the GPU's launch options (the register cap)
     if not solo and d <= 128:
         monkeypatch.setattr(tuning, "hopper_solo", lambda head_dim, **call: False)
-    b, hq, hk = 1, 2, 1
-    block_n, d_pad = tuning.hopper_config(d)["BLOCK_N"], tuning.padded_head_dim(d)
-    tiles = keys // block_n
-    kv = launch.QuantizedKV(
-        kq=torch.zeros(b * hk * keys, d_pad, dtype=torch.int8), ks=torch.zeros(b * hk, tiles),
-        vq=torch.zeros(b * hk * d_pad, keys, dtype=torch.float8_e4m3fn), vs=torch.zeros(b * hk, 2, d_pad),
-        ds=torch.zeros(b * hq, keys), split=torch.zeros(0, dtype=torch.int32), q_bar=torch.zeros(b * hq, d),
-        k_bar=torch.zeros(b * hk, d), v_bar=torch.zeros(b * hk, d), nk_pad=keys, tiles=tiles)
-    q = torch.zeros(b, hq, keys, d, dtype=torch.float16)
-    launch.hopper_kernel_launch(q, hk, keys, kv, torch.empty_like(q), is_causal=causal, sm_scale=d ** -0.5, qk="int8",
-                                kv_end=None, return_lse=False)
+    launched = _recorded_launch(monkeypatch, d=d, keys=keys, is_causal=causal)
     assert (launched["SOLO"], launched["CONSUMERS"], launched["P_SMEM"]) == (solo, consumers, p_smem), launched
     assert launched["STAGES"] == stages
-    assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * b * hq,)
+    assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * 2,)  # two query heads
     assert launched.get("maxnreg", 0) == (168 if solo else 128 if consumers == 1 else 0)
     assert not launched["PERSISTENT"]
-
-
-def _recorded_launch(monkeypatch, d=128, keys=4096, **call) -> dict:
-    """The keywords hopper_kernel_launch gives the kernel for a call (CPU: the launch recorded, not run)."""
-    launched = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.update(kwargs, grid=grid)
-
-    monkeypatch.setattr(launch, "fast", lambda kernel: Recorder())
-    d_pad, tiles = tuning.padded_head_dim(d), keys // tuning.hopper_config(d)["BLOCK_N"]
-    kv = launch.QuantizedKV(
-        kq=torch.zeros(keys, d_pad, dtype=torch.int8), ks=torch.zeros(1, tiles),
-        vq=torch.zeros(d_pad, keys, dtype=torch.float8_e4m3fn), vs=torch.zeros(1, 2, d_pad), ds=torch.zeros(2, keys),
-        split=torch.zeros(0, dtype=torch.int32), q_bar=torch.zeros(2, d), k_bar=torch.zeros(1, d),
-        v_bar=torch.zeros(1, d), nk_pad=keys, tiles=tiles)
-    q = torch.zeros(1, 2, keys, d, dtype=torch.float16)
-    launch.hopper_kernel_launch(q, 1, keys, kv, torch.empty_like(q), sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                                return_lse=False, **call)
-    return launched
 
 
 @needs_gluon
