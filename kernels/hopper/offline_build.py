@@ -48,8 +48,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     if solo is None:
-        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(
-            head_dim, persistent=persistent, causal=causal, variant_span=window or chunk)
+        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(head_dim, persistent=persistent)
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
     if solo:
         tuning.check_solo(head_dim, persistent=persistent)
