@@ -74,11 +74,7 @@ def stages_sweep(args):
                         cells.append(f"{graph_ms(lambda s=stages: launch.hopper_kernel_launch(q, 32, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk='int8', kv_end=None, return_lse=False, stages=s)) * 1e3:.1f}")  # noqa: E501
                     except Exception as error:  # noqa: BLE001  (a depth that does not fit shared memory)
                         cells.append(f"failed: {type(error).__name__}")
-                if tuning.hopper_solo(d, persistent=False):  # the launch's CTA for the call
-                    tuned = tuning.hopper_stages(d, 1, solo=True)
-                else:
-                    tuned = tuning.hopper_cta(d, causal=causal, keys=n, return_lse=False, split=False,
-                                              variant=False, persistent=False)[1]
+                tuned = tuning.hopper_stages(d, tuning.hopper_solo(d, persistent=False))  # the launch's CTA's
                 lines.append(f"| {d} | {n} | {causal} | " + " | ".join(cells) + f" | {tuned} |")
                 print(lines[-1], flush=True)
                 del q, k, v, kv, out

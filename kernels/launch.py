@@ -280,14 +280,13 @@ def hopper_quantize_kv(q, k, v, *, sm_scale: float, qk: str = "int8", smooth_q: 
 def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal: bool, sm_scale: float, qk: str,
                          kv_end, return_lse: bool, stages: int | None = None, persistent: bool | None = None,
                          pv_tiles: int | None = None, window: int = 0, chunk: int = 0,
-                         sinks: torch.Tensor | None = None, softcap: float = 0.0, consumers: int | None = None,
-                         solo: bool | None = None):
+                         sinks: torch.Tensor | None = None, softcap: float = 0.0, solo: bool | None = None):
     """The Gluon kernel alone, on the output of ``quantize_kv`` (the benchmark times it by itself).
     window / chunk / softcap: 0 for none; sinks (Hq,) or None (hf_qattn.qattn's semantics). ``stages``,
-    ``persistent``, ``pv_tiles``, ``consumers``, ``solo`` (CTAs of one warpgroup that loads its own tiles,
-    hopper/mainloop.attend_solo): the tuned configuration's unless given (to measure others); ``consumers``,
-    ``persistent`` or ``pv_tiles`` given without ``solo`` launch the warp-specialized CTA they name (SOLO sums
-    one key tile a P·V accumulator)."""
+    ``persistent``, ``pv_tiles``, ``solo`` (CTAs of one warpgroup that loads its own tiles,
+    hopper/mainloop.attend_solo; False: the warp-specialized CTA of two consumer warpgroups and a loader warp):
+    the tuned configuration's unless given (to measure others); ``persistent`` or ``pv_tiles`` given without
+    ``solo`` launch the warp-specialized CTA (SOLO sums one key tile a P·V accumulator)."""
     from .hopper.attention import attention_kernel as hopper_kernel, register_cap
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
@@ -296,7 +295,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     window, chunk = _key_spans(window, chunk, nk)
     persistent = config["PERSISTENT"] if persistent is None else persistent
     if solo is None:
-        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(d, persistent=persistent)
+        solo = pv_tiles is None and tuning.hopper_solo(d, persistent=persistent)
     elif solo:
         tuning.check_solo(d, persistent=persistent)
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
@@ -309,17 +308,11 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
             GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout))
     k_desc, vt_desc, ds_desc = descriptors
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
-    sms = tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else 0
-    if solo:
-        consumers = 1
-    elif not consumers:
-        consumers = tuning.hopper_cta(d, causal=is_causal, keys=nk, return_lse=return_lse, split=kv.with_split,
-                                      persistent=persistent,
-                                      variant=bool(window or chunk or softcap or sinks is not None),
-                                      queries=nq, batch_heads=b * hq, sms=sms)[0]
-    stages = stages or tuning.hopper_stages(d, consumers, solo)
+    consumers = 1 if solo else 2
+    stages = stages or tuning.hopper_stages(d, solo)
     items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
+    sms = tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if persistent and q.is_cuda else 0
     grid = min(items, sms * config["PERSISTENT_CTAS_PER_SM"]) if persistent else items
     fast(hopper_kernel)[(grid,)](
         q, k_desc, vt_desc, ds_desc, kv.ks, kv.split, kv.q_bar, kv.k_bar, kv.v_bar, kv.vs, kv_end, out, lse,
@@ -333,8 +326,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        P_SMEM=not solo and tuning.hopper_p_smem(d, consumers), SOLO=solo, num_warps=4,
-        **tuning.register_cap(register_cap(consumers, solo)),
+        SOLO=solo, num_warps=4, **tuning.register_cap(register_cap(solo)),
     )
     return lse
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from importlib import resources
 
@@ -91,50 +90,10 @@ def centers_config(d_pad: int) -> dict:
     return _by_head_dim("centers", d_pad)
 
 
-def hopper_cta(head_dim: int, *, causal: bool, keys: int, return_lse: bool, split: bool, variant: bool,
-               persistent: bool, queries: int = 0, batch_heads: int = 0, sms: int = 0) -> tuple[int, int]:
-    """(consumer warpgroups, ring stages) of a CTA of the sm90 kernel, 64 query rows a consumer.
-
-    One consumer where work items are short — causal calls (windows and chunks are causal) and full attention
-    over at most ONE_CONSUMER_FULL_UP_TO keys (kernels.json): the launch caps such a CTA's registers
-    (hopper/attention.py ONE_CONSUMER_MAXNREG) so that two CTAs share an SM and one's prologue, pipeline fill and
-    epilogue run under the other's main loop: +9 to +28 % at 1k–16k causal, windows 128–4096 and full attention up
-    to 8k keys, −1 to −3 % on longer full attention (eval/results/one-consumer-*.md). Not at head dim 256
-    (ONE_CONSUMER false: its 64×256 output needs 240 registers a thread, one consumer gets 232) nor with a
-    persistent grid (one CTA an SM).
-
-    Otherwise the head dim's CONSUMERS for the plain full-attention build over at most CONSUMERS_UP_TO keys, else 2.
-    Three consumers leave each 160 registers a thread; only the plain build fits them without local memory in its
-    main loops (offline_build: causal, lse, split, the variants and persistent CTAs spill), at head dim 128 only
-    with P passed through shared memory (``hopper_p_smem``) and a scalar or two reloaded a key tile. They run
-    8–24 % faster at head dim 64 from 2k keys (eval/results/consumers-*.md) and 2–12 % at head dim 128 from 6k
-    to 32k keys (eval/results/p-smem-*.md).
-    Where the head dim gives CONSUMERS_ROW_GAIN (three consumers' speed a query row over two's in full waves) and
-    the call's ``queries`` (a head's query rows), ``batch_heads`` and the GPU's ``sms`` are known, three are taken
-    only when their whole waves of CTAs take less time than two's: a grid of a few waves of 192-row CTAs can lose
-    more to its last wave than the wider CTA gains (d128 16k B1 H8: 5.2 waves, −4 %).
-    The stages: the head dim's STAGES for that many consumers (their shared memory must fit)."""
-    config = hopper_config(head_dim)
-    if config["ONE_CONSUMER"] and not persistent and (causal or keys <= config["ONE_CONSUMER_FULL_UP_TO"]):
-        consumers = 1
-    else:
-        plain = not (causal or return_lse or split or variant or persistent)
-        up_to = config["CONSUMERS_UP_TO"]
-        consumers = config["CONSUMERS"] if plain and (up_to is None or keys <= up_to) else 2
-        gain = config["CONSUMERS_ROW_GAIN"]
-        if consumers == 3 and gain and queries and batch_heads and sms:
-            def waves(c):  # whole waves of CTAs of c consumers (64 query rows each) over the SMs, one CTA an SM
-                return math.ceil(math.ceil(queries / (64 * c)) * batch_heads / sms)
-            if waves(3) * 3 >= waves(2) * 2 * gain:
-                consumers = 2
-    return consumers, hopper_stages(head_dim, consumers)
-
-
-def hopper_stages(head_dim: int, consumers: int, solo: bool = False) -> int:
-    """Ring stages of a CTA of ``consumers`` warpgroups, or of a SOLO CTA: the head dim's STAGES for that count or
-    "solo" (kernels.json: two one-consumer CTAs must share an SM's shared memory, three d128 consumers leave room
-    for 2, and so do three SOLO CTAs an SM)."""
-    return hopper_config(head_dim)["STAGES"]["solo" if solo else str(consumers)]
+def hopper_stages(head_dim: int, solo: bool) -> int:
+    """Ring stages of a SOLO CTA or of a warp-specialized one (kernels.json STAGES "solo" / "warp_specialized",
+    by head dim: three SOLO CTAs an SM must share its shared memory; the warp-specialized CTA holds an SM)."""
+    return hopper_config(head_dim)["STAGES"]["solo" if solo else "warp_specialized"]
 
 
 def hopper_solo(head_dim: int, *, persistent: bool) -> bool:
@@ -155,13 +114,6 @@ def check_solo(head_dim: int, *, persistent: bool) -> None:
         raise ValueError(f"solo: SOLO CTAs serve head dims up to 128, got {head_dim}")
     if persistent:
         raise ValueError("solo: SOLO CTAs run one work item each; persistent must be False")
-
-
-def hopper_p_smem(head_dim: int, consumers: int) -> bool:
-    """Whether a CTA of ``consumers`` warpgroups hands P to its P·V wgmma through shared memory, not registers
-    (kernels/hopper/mainloop.py P_SMEM): where the head dim's P_SMEM_CONSUMERS lists that count (three d128
-    consumers fit 160 registers only without P's 64 carried from step to step; elsewhere it costs ≈ 3 %)."""
-    return consumers in hopper_config(head_dim)["P_SMEM_CONSUMERS"]
 
 
 def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys: int) -> bool:

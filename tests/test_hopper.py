@@ -41,22 +41,19 @@ def _int32(values):
 
 
 def _shipped(d, causal, lse, kv_range, dtype, split=False, keys=4096):
-    """The build a call over ``keys`` keys launches (tuning.hopper_solo, hopper_cta, hopper_causal_split)."""
+    """The build a call over ``keys`` keys launches (tuning.hopper_solo, hopper_stages, hopper_causal_split)."""
     persistent = tuning.hopper_config(d)["PERSISTENT"]
     solo = tuning.hopper_solo(d, persistent=persistent)
-    consumers, stages = tuning.hopper_cta(d, causal=causal, keys=keys, return_lse=lse, split=split, variant=False,
-                                          persistent=persistent)
-    if solo:
-        consumers, stages = 1, tuning.hopper_stages(d, 1, solo=True)
+    stages = tuning.hopper_stages(d, solo)
     causal_split = tuning.hopper_causal_split(d, causal=causal, variant_span=False, keys=keys)
     return {"head_dim": d, "stages": stages, "causal": causal, "return_lse": lse, "has_kv_range": kv_range,
-            "dtype": dtype, "persistent": persistent, "consumers": consumers, "solo": solo,
+            "dtype": dtype, "persistent": persistent, "solo": solo,
             **({"split": True} if split else {}), **({"causal_split": True} if causal_split else {})}
 
 
 # every configuration the dispatcher can launch: head dim (padded) × causal × lse × kv range, both dtypes, short and
-# long calls (one consumer warpgroup a CTA for causal and short calls; three for long plain full attention, two
-# beyond 32k keys at d128 and for the other switches), and K's split channel, the heaviest
+# long calls (SOLO CTAs up to head dim 128), and K's split channel, the heaviest; the warp-specialized CTA (head dim
+# 256, tests/test_hopper_variants.py) at d64 / d128 too, as a launch with ``solo=False`` builds it
 SHIPPED = [
     _shipped(d, causal, lse, kv_range, dtype, keys=keys)
     for d in (64, 128)
@@ -66,6 +63,8 @@ SHIPPED = [
         (False, True, True, "fp16"), (False, False, True, "bf16"))
 ] + [_shipped(d, causal, True, True, "bf16", split=True, keys=keys) for d in (64, 128) for causal in (False, True)
      for keys in (2048, 32768)]
+SHIPPED += [{**_shipped(d, causal, False, False, "fp16"), "solo": False, "stages": tuning.hopper_stages(d, False)}
+            for d, causal in ((128, False), (64, True))]
 SHIPPED = [c for i, c in enumerate(SHIPPED) if c not in SHIPPED[:i]]  # causal builds are the same at both lengths
 
 
@@ -125,37 +124,22 @@ def test_shipped_configuration_compiles_for_sm90_with_wgmma_tma_and_no_spills(co
     assert report["IGMMA"] > 0, "INT8 Q·Kᵀ must run on the INT8 wgmma"
     assert report["QGMMA"] > 0, "P·V must run on the FP8 wgmma"
     assert report["UTMALDG"] >= 3, "K, V and ΔS tiles must come through TMA"
-    consumers = config["consumers"]
+    consumers = 1 if config["solo"] else 2
     loops = 2 if config.get("causal_split") else 1  # the split causal loop: tiles left of the diagonal, then on it
     assert len(report["loop_local"]) == consumers * loops, "one main loop (or two) per consumer warpgroup"
-    # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
-    # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
     if config["solo"]:  # one warpgroup a CTA, its loop (or two) with no local memory; three CTAs an SM
         # causal d128 with triton 3.6: ptxas keeps one value on the stack between its two loops (12 bytes, two
         # stores and a load a work item, not a key tile)
         assert max(report["loop_local"]) == 0 and report["spill_bytes"] <= 16, report
         assert report["LDL"] + report["STL"] <= 4, report
         assert report["regs"] <= 168 and 3 * (report["shared"] + 1024) <= 228 * 1024, report
-    elif consumers == 3 and config["head_dim"] > 64:
-        # d128, P through shared memory: ptxas keeps one or two scalars a row (q's score coefficient) on the stack
-        # and reloads them each key tile — 84 bytes and one load a tile in one loop with triton 3.6 (the build the
-        # H200 measured faster, eval/results/p-smem-*.md), 328 bytes and 3 / 6 loads in two loops with triton 3.9
-        # (of ≈ 840 instructions a tile; not timed on a GPU)
-        assert max(report["loop_local"]) <= 6 and report["spill_bytes"] <= 384, report
-    elif consumers == 3:
-        assert max(report["loop_local"]) == 0, report
-        # 160 registers a thread: ptxas keeps a few values of the prologue and epilogue on the stack (56 bytes
-        # with triton 3.9), loads a work item pays, not a key tile
-        assert report["spill_bytes"] <= 64, report
-    else:
+    else:  # no local memory in the main loops; with K's split channel (opt-in, its heaviest configuration) ptxas
+        # reloads one 4-byte stack slot in a branch of one warpgroup's loop (measured with triton 3.9)
         assert max(report["loop_local"]) <= (1 if config.get("split") else 0), report
         assert report["spill_bytes"] == 0, report
         if not config.get("split"):
             assert report["LDL"] == 0 and report["STL"] == 0, report
     assert report["shared"] <= 227 * 1024, report
-    if consumers == 1 and not config["solo"]:  # two CTAs an SM: half its registers, and half its shared memory
-        # less 1 KB a CTA reserves
-        assert report["regs"] <= 128 and 2 * (report["shared"] + 1024) <= 228 * 1024, report
 
 
 def _hopper_pass(q, k, v, kv_start=None, kv_end=None):
@@ -249,47 +233,16 @@ def test_dispatch_on_a_cpu_tensor_never_picks_the_hopper_kernel():
 
 def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_config(128)["BLOCK_N"] == 128 and tuning.hopper_config(256)["BLOCK_N"] == 64
-    assert [tuning.hopper_stages(128, c) for c in (1, 2, 3)] == [2, 3, 2]
-    assert [tuning.hopper_stages(64, c) for c in (1, 2, 3)] == [2, 2, 2]
-    assert tuning.hopper_stages(128, 1, solo=True) == tuning.hopper_stages(64, 1, solo=True) == 2
+    assert [tuning.hopper_stages(d, solo=False) for d in (64, 128, 256)] == [2, 3, 2]
+    assert tuning.hopper_stages(128, solo=True) == tuning.hopper_stages(64, solo=True) == 2
     assert tuning.hopper_solo(128, persistent=False) and tuning.hopper_solo(64, persistent=False)
+    assert tuning.hopper_solo(96, persistent=False)  # pads to 128
     assert not tuning.hopper_solo(256, persistent=False) and not tuning.hopper_solo(128, persistent=True)
-
-
-def test_cta_shape_by_call():
-    """tuning.hopper_cta: one consumer (two stages) for causal calls and full attention up to the head dim's
-    ONE_CONSUMER_FULL_UP_TO keys (4096 at d64, 8192 at d128), never at d256 nor persistent; beyond, three warpgroups
-    for plain full attention (at d128 up to CONSUMERS_UP_TO = 32768 keys, with P through shared memory), and every
-    switch that spilled with three (offline_build) gives two, as d256 does (d96 pads to 128)."""
-    plain = dict(causal=False, return_lse=False, split=False, variant=False, persistent=False)
-    for d, up_to in ((64, 4096), (128, 8192), (96, 8192)):
-        assert tuning.hopper_cta(d, keys=up_to, **plain) == (1, 2)
-        assert tuning.hopper_cta(d, keys=up_to + 1, **plain) == (3, 2)
-        assert tuning.hopper_cta(d, keys=131072, **{**plain, "causal": True}) == (1, 2)
-        assert tuning.hopper_cta(d, keys=1024, **{**plain, "persistent": True})[0] == 2
-        for switch in ("return_lse", "split", "variant", "persistent"):
-            assert tuning.hopper_cta(d, keys=up_to + 1, **{**plain, switch: True})[0] == 2, switch
-    assert tuning.hopper_cta(128, keys=32768, **plain) == (3, 2)
-    assert tuning.hopper_cta(128, keys=32769, **plain) == (2, 3)
-    assert tuning.hopper_cta(64, keys=131072, **plain) == (3, 2)
-    assert tuning.hopper_cta(256, keys=1024, **{**plain, "causal": True}) == (2, 2)
-    assert tuning.hopper_cta(256, keys=32768, **plain) == (2, 2)
-    # with the grid known (132 SMs), d128 takes three only where their whole waves beat two's by the row gain
-    # (the measured points of eval/results/p-smem-*.md: B1 H8 16k −4 % with three, the others faster)
-    for (b, h, n), wide in (((1, 8, 16384), False), ((1, 8, 12288), True), ((1, 8, 32768), True),
-                            ((4, 32, 16384), True), ((1, 40, 17160), True), ((2, 32, 16384), True)):
-        shape = tuning.hopper_cta(128, keys=n, queries=n, batch_heads=b * h, sms=132, **plain)
-        assert shape == ((3, 2) if wide else (2, 3)), (b, h, n, shape)
-    assert tuning.hopper_cta(64, keys=16384, queries=16384, batch_heads=8, sms=132, **plain) == (3, 2)  # no gain set
-    # P through shared memory where three consumers need it (d128), nowhere else
-    assert tuning.hopper_p_smem(128, 3) and tuning.hopper_p_smem(96, 3)
-    assert not any(tuning.hopper_p_smem(d, c) for d in (64, 128, 256) for c in (1, 2))
-    assert not tuning.hopper_p_smem(64, 3)
 
 
 def test_causal_main_loop_split_from_the_head_dims_threshold():
     """tuning.hopper_causal_split: causal calls from CAUSAL_SPLIT_FROM keys (0 at d64 / d128, whose causal calls run
-    one-consumer CTAs; 8192 at d256), never for full attention or a window / chunk (their tiles are masked at both
+    SOLO CTAs; 8192 at d256), never for full attention or a window / chunk (their tiles are masked at both
     ends)."""
     for d, threshold in ((64, 0), (128, 0), (256, 8192)):
         assert tuning.hopper_config(d)["CAUSAL_SPLIT_FROM"] == threshold
@@ -313,37 +266,6 @@ def test_sm90_without_gluon_runs_the_portable_kernel_counted_and_warned(monkeypa
     assert (path, reason) == (support.TRITON, None)
     (counted,) = hf_qattn.fallback_stats()["fallbacks"]
     assert counted.startswith(support.REASON_NO_GLUON)
-
-
-@needs_sm90
-@pytest.mark.parametrize("d", [128, 64])
-def test_p_through_shared_memory_gives_the_register_operands_output_bit_for_bit(seed, d, monkeypatch):
-    """P_SMEM only moves P̂ from registers to shared memory: the same FP8 bytes meet the same V̂ᵀ tiles in the same
-    wgmma order, so the output is equal bit for bit to the register operand's, whatever the CTA (d128: three
-    consumers with P in shared memory as shipped, against two with P in registers; d64: three consumers both
-    ways). A wrong key order in the stored P, a P·V reading the buffer before the step's P is in it, or a P
-    overwritten while the last P·V still reads it would change it. 71 key tiles (flushes included), a ragged
-    end, V off zero, GQA."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    b, hq, hk, n = 1, 4, 2, 9000
-    q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16, generator=g)
-    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    v = v + 0.3
-    kv = launch.hopper_quantize_kv(q, k, v, sm_scale=d ** -0.5)
-
-    def run(consumers, p_smem):
-        monkeypatch.setattr(tuning, "hopper_p_smem", lambda head_dim, c: p_smem)
-        out = torch.empty_like(q)
-        launch.hopper_kernel_launch(q, hk, n, kv, out, is_causal=False, sm_scale=d ** -0.5, qk="int8", kv_end=None,
-                                    return_lse=False, consumers=consumers, stages=tuning.hopper_stages(d, consumers))
-        return out
-
-    assert tuning.hopper_cta(d, causal=False, keys=n, return_lse=False, split=False, variant=False,
-                             persistent=False)[0] == 3
-    registers = run(2 if d == 128 else 3, False)
-    shared = run(3, True)
-    assert torch.isfinite(registers).all()
-    assert torch.equal(shared, registers), (shared.float() - registers.float()).abs().max().item()
 
 
 @needs_sm90
@@ -444,31 +366,26 @@ def _recorded_launch(monkeypatch, d=128, keys=4096, **call) -> dict:
 
 
 @needs_gluon
-@pytest.mark.parametrize("d, keys, causal, solo, consumers, stages, p_smem", [
-    (128, 16384, False, True, 1, 2, False),  # head dims up to 128: SOLO CTAs of one warpgroup, every call
-    (64, 4096, True, True, 1, 2, False),
-    (256, 16384, False, False, 2, 2, False),  # head dim 256: two consumers, P in registers
-    # the warp-specialized CTAs where SOLO is off (kernels.json SOLO false):
-    (128, 16384, False, False, 3, 2, True),  # full attention over 8193–32768 keys at d128: three consumers, P in smem
-    (128, 65536, False, False, 2, 3, False),  # beyond 32k keys: two, P in registers
-    (128, 8192, False, False, 1, 2, False),  # up to 8192 keys: one consumer
-    (128, 16384, True, False, 1, 2, False),  # causal: one consumer
-    (64, 16384, False, False, 3, 2, False),  # d64: three consumers, P in registers
+@pytest.mark.parametrize("d, keys, causal, solo, consumers, stages", [
+    (128, 16384, False, True, 1, 2),  # head dims up to 128: SOLO CTAs of one warpgroup, every call
+    (64, 4096, True, True, 1, 2),
+    (96, 8192, True, True, 1, 2),
+    (256, 16384, False, False, 2, 2),  # head dim 256: the warp-specialized CTA of two consumers
+    (128, 65536, False, False, 2, 3),  # where SOLO is off (kernels.json SOLO false): the same CTA, 3 stages at d128
+    (64, 16384, True, False, 2, 2),
 ])
-def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys, causal, solo, consumers, stages,
-                                                            p_smem):
-    """hopper_kernel_launch hands the kernel the CTA shape (SOLO, consumers, stages, grid, register cap) and the P
-    path (P_SMEM) that tuning decides for the call, on the CPU with the launch recorded instead of run. A launch
-    that built the three d128 consumers with P in registers would spill (the offline build's test) and run slower,
-    and SOLO CTAs without their register cap would hold an SM alone, while every GPU output stayed right: only
-    this sees it."""
+def test_launch_passes_the_cta_that_tuning_picks(monkeypatch, d, keys, causal, solo, consumers, stages):
+    """hopper_kernel_launch hands the kernel the CTA shape (SOLO, consumers, stages, grid, register cap) that tuning
+    decides for the call, on the CPU with the launch recorded instead of run. SOLO CTAs without their register cap
+    would hold an SM alone, and a ring of the other CTA's depth would not fit three of them an SM, while every GPU
+    output stayed right: only this sees it."""
     if not solo and d <= 128:
         monkeypatch.setattr(tuning, "hopper_solo", lambda head_dim, **call: False)
     launched = _recorded_launch(monkeypatch, d=d, keys=keys, is_causal=causal)
-    assert (launched["SOLO"], launched["CONSUMERS"], launched["P_SMEM"]) == (solo, consumers, p_smem), launched
+    assert (launched["SOLO"], launched["CONSUMERS"]) == (solo, consumers), launched
     assert launched["STAGES"] == stages
     assert launched["grid"] == (math.ceil(keys / (64 * consumers)) * 2,)  # two query heads
-    assert launched.get("maxnreg", 0) == (168 if solo else 128 if consumers == 1 else 0)
+    assert launched.get("maxnreg", 0) == (168 if solo else 0)
     assert not launched["PERSISTENT"]
 
 
@@ -476,12 +393,12 @@ def test_launch_passes_the_cta_and_p_path_that_tuning_picks(monkeypatch, d, keys
 def test_an_explicit_solo_launch_that_cannot_run_is_refused(monkeypatch):
     """SOLO asked for past head dim 128 or with a persistent grid is a ValueError naming the argument, not a
     KeyError, a spilled build or a hang (a SOLO CTA's ring restarts at each work item); an explicit warp-specialized
-    shape (consumers, pv_tiles) is honoured."""
+    CTA (solo=False, or pv_tiles, which only it has) is honoured."""
     with pytest.raises(ValueError, match="solo: .*head dims up to 128"):
         _recorded_launch(monkeypatch, d=256, is_causal=False, solo=True)
     with pytest.raises(ValueError, match="solo: .*persistent"):
         _recorded_launch(monkeypatch, is_causal=False, solo=True, persistent=True)
-    assert not _recorded_launch(monkeypatch, is_causal=False, consumers=2)["SOLO"]
+    assert not _recorded_launch(monkeypatch, is_causal=False, solo=False)["SOLO"]
     assert not _recorded_launch(monkeypatch, is_causal=False, pv_tiles=8)["SOLO"]
 
 

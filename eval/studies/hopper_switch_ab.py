@@ -1,12 +1,12 @@
 """Study: one setting of the Hopper kernel (a key of kernels.json's ``hopper`` entry) A/B, kernel alone (GPU).
 
-    bash eval/device_run.sh python3 eval/studies/hopper_switch_ab.py --set CONSUMERS=1 --same-output
+    bash eval/device_run.sh python3 eval/studies/hopper_switch_ab.py --set SOLO=false
 
 The Gluon kernel alone on one K/V pass's output, B4 H32 fp16 (``--batch``, ``--heads``; a sliding ``--window``
 and ``--sinks`` for every shape): the tuned settings (A) against the same with ``--set`` applied (B), in
-alternating rounds in one process so that the host's and the clock's drift falls on both alike. ``CONSUMERS``
-and ``STAGES`` in ``--set`` are forced on every build through the launch's arguments (A runs what
-tuning.hopper_solo / hopper_cta pick), and ``SOLO=true`` / ``false`` launches the one-warpgroup CTA
+alternating rounds in one process so that the host's and the clock's drift falls on both alike. ``STAGES`` in
+``--set`` is forced on every build through the launch's arguments (A runs what tuning picks), and ``SOLO=true`` /
+``false`` launches the one-warpgroup CTA
 (hopper/mainloop.attend_solo) or the warp-specialized one; other keys replace kernels.json's. The best round's median of
 ``triton.testing.do_bench`` (``timing.bench_ms``) each; TOPS = 4·B·H·d·(keys each query sees: N, or i + 1 for
 causal row i, at most the window) / time. Every shape first compares A's and B's outputs: ``--same-output``
@@ -65,12 +65,11 @@ def main():
 
         def call(side):
             use({} if side == "A" else overrides)
-            forced = {} if side == "A" else overrides  # the CTA shape, forced on every build (else tuning.hopper_cta)
+            forced = {} if side == "A" else overrides  # the CTA shape, forced on every build (else tuning's)
             return lambda: launch.hopper_kernel_launch(q, hk, n, kv, outs[side], is_causal=bool(causal),
                                                        sm_scale=d ** -0.5, qk="int8", kv_end=None, return_lse=False,
                                                        window=args.window, sinks=sinks,
-                                                       consumers=forced.get("CONSUMERS"), stages=forced.get("STAGES"),
-                                                       solo=forced.get("SOLO"))
+                                                       stages=forced.get("STAGES"), solo=forced.get("SOLO"))
 
         for side in "AB":
             call(side)()

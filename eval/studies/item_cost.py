@@ -39,11 +39,11 @@ REWRITES = [
                     mask=inside, other=0.0).to(gl.float32)
 """),
     ("epilogue.py",
-     "        sink = (gl.load(prob.SINK + h) - shift) * _LOG2E\n",
+     "        sink = (gl.load(prob.SINK + h).to(gl.float32) - shift) * _LOG2E  # in the model's dtype (gpt-oss: bf16)\n",
      """        if _ABLATE & 2:
             sink = (0.5 - shift) * _LOG2E
         else:
-            sink = (gl.load(prob.SINK + h) - shift) * _LOG2E
+            sink = (gl.load(prob.SINK + h).to(gl.float32) - shift) * _LOG2E
 """),
     ("epilogue.py",
      """    v_bar = gl.load(prob.V_BAR + bhk * cfg.HEAD_DIM + cols, mask=cols < cfg.HEAD_DIM, other=0.0)
@@ -123,7 +123,7 @@ def time_shapes(ablation: int) -> None:
 
         def call():
             launch.hopper_kernel_launch(q, hk, n, kv, out, is_causal=causal, sm_scale=d ** -0.5, qk="int8",
-                                        kv_end=None, return_lse=False, window=window, sinks=sink, consumers=None,
+                                        kv_end=None, return_lse=False, window=window, sinks=sink,
                                         stages=None)
 
         us = min(bench_ms(call, warmup=25, rep=150) for _ in range(3)) * 1e3

@@ -1,14 +1,14 @@
 """Study: the attention kernel alone and the call's other kernels, by sequence length — qattn's sm90 kernel
 beside SageAttention2's (GPU, SageAttention built by eval/build_sageattention.sh and on PYTHONPATH).
 
-    PYTHONPATH=$PWD/.sage bash eval/device_run.sh python3 eval/studies/kernel_alone_by_length.py [--consumers 3]
+    PYTHONPATH=$PWD/.sage bash eval/device_run.sh python3 eval/studies/kernel_alone_by_length.py [--warp-specialized]
 
 Why: in eval/bench_kernels.py's whole calls SageAttention2 keeps gaining with length (d128 full: 718 → 769 → 813
 TOPS at 16k / 32k / Wan-like 75.6k) where qattn stays near 740. A whole call's TOPS mixes the O(N) passes with the
 O(N²) kernel; this splits them. Each call's kernels are timed by torch.profiler (20 calls, GPU µs a call by
 kernel name); "kernel" is the longest one (the attention kernel), "rest" the others (quantization passes, copies).
-``--consumers``: force that many consumer warpgroups on qattn's plain full-attention CTAs at every length (the
-launch's own choice otherwise: three from 8k to 32k keys at d128).
+``--warp-specialized``: qattn's calls on the warp-specialized CTA (two consumer warpgroups and a loader warp) instead
+of the SOLO CTAs the launch picks up to head dim 128.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ SHAPES = [("B4 H32 8k d128", 4, 32, 8192, 128, torch.float16), ("B4 H32 16k d128
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--consumers", type=int, default=0, help="force qattn's plain CTAs to this many (0: tuned)")
+    parser.add_argument("--warp-specialized", action="store_true", help="qattn on the warp-specialized CTA, not SOLO")
     parser.add_argument("--shapes", default="", help="labels' first words to keep, comma-separated (default all)")
     args = parser.parse_args()
-    if args.consumers:
+    if args.warp_specialized:
         tuned = tuning.hopper_config
-        tuning.hopper_config = lambda head_dim: {**tuned(head_dim), "CONSUMERS": args.consumers,
-                                                 "CONSUMERS_UP_TO": None, "CONSUMERS_ROW_GAIN": None}
+        tuning.hopper_config = lambda head_dim: {**tuned(head_dim), "SOLO": False}
     try:
         from sageattention import sageattn_qk_int8_pv_fp8_cuda_sm90 as sage2
     except ImportError:

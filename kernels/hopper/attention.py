@@ -1,8 +1,9 @@
 """The kernel: SOLO CTAs (tuning.hopper_solo: one warpgroup of 64 query rows that loads its own key tiles,
-``mainloop.attend_solo``, three an SM), or CTAs of CONSUMERS (1, 2 or 3: tuning.hopper_cta) consumer warpgroups
+``mainloop.attend_solo``, three an SM: head dims up to 128), or warp-specialized CTAs of two consumer warpgroups
 of 64 query rows (``consumer``, FA3's "MMA + softmax" role) and one loader warp (``load_kv``), meeting on a ring
-of STAGES shared-memory stages. A work item is 64·CONSUMERS query rows of one batch·query-head; the scheduler
-(``scheduler.py``) deals items to CTAs, one each, or, with PERSISTENT, many to each of one CTA per SM.
+of STAGES shared-memory stages (head dim 256, persistent grids). A work item is 64·CONSUMERS query rows of one
+batch·query-head; the scheduler (``scheduler.py``) deals items to CTAs, one each, or, with PERSISTENT, many to
+each of one CTA per SM.
 
 Inputs besides Q (model dtype, any layout by strides) come from the K/V pass
 (``kernels/quantize.py``), in buffers padded to whole key tiles (BLOCK_N: 128, or 64 at head dim 256) and
@@ -29,31 +30,19 @@ CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgrou
 # partition with this count, the first the default partition, which gets what the workers leave (256 at most):
 # 232 spilled the worker, 248 left the default 240 and spilled it; 240 leaves it 248 and spills neither
 CONSUMER_REGISTERS_D256 = gl.constexpr(240)
-# three consumers (a third warp a scheduler hides the softmax's latency, as FA3's d64 tiles of 192 rows; at head
-# dim 128 with P through shared memory): the two worker consumers get 160, the loader's warpgroup 24, the default
-# partition the rest, 168 (128 threads × (160 + 160 + 24 + 168) = 64K); 168 for the workers left the default 152,
-# which spilled its loop, and 152 spilled the d128 workers' loops
-CONSUMER_REGISTERS_3 = gl.constexpr(160)
 LOADER_REGISTERS = gl.constexpr(24)
-# one consumer (short work items: a few key tiles each, whose prologue and epilogue no other warpgroup's main loop
-# hides): the launch caps the CTA at this many registers a thread, 128 × 256 threads = half the SM's, so two
-# CTAs share an SM and one's prologue and epilogue run under the other's main loop; the consumer takes 232
-# (setmaxnreg), the loader's warpgroup 24
-ONE_CONSUMER_MAXNREG = 128
 # SOLO (one warpgroup, no loader): 168 registers a thread let three CTAs share an SM (3 × 128 × 168 of 64K), so
 # three warpgroups' steps overlap without sharing a ring; the FP32 output, S (then P·V) and the rest fit them
 SOLO_MAXNREG = 168
 
 
-def register_cap(consumers: int, solo: bool = False) -> int:
-    """The launch's cap on registers a thread for a CTA of ``consumers`` warpgroups (0: none, the whole SM's)."""
-    if solo:
-        return SOLO_MAXNREG
-    return ONE_CONSUMER_MAXNREG if consumers == 1 else 0
+def register_cap(solo: bool) -> int:
+    """The launch's cap on registers a thread: SOLO's, or none (the warp-specialized CTA holds the SM's)."""
+    return SOLO_MAXNREG if solo else 0
 
 
 @gluon.jit
-def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, descs,
+def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, descs,
                  WARPGROUP: gl.constexpr):
     """One work item's 64 rows of this warpgroup: Q prologue, main loop, epilogue. Returns the ring
     position after it (``base`` + its key tiles, counted as the loader counts them)."""
@@ -81,27 +70,26 @@ def consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift
                                     tile_rows(prob, cfg, bhq, bhk), first, end - first, cta_row0, row0, BM,
                                     qk_layout, o_layout)
     else:
-        acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_smem, KS_bh, base,
+        acc, l_i, m_i = attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base,
                                first, end - first, cta_row0, row0, BM, qk_layout, o_layout)
     store_output(prob, cfg, acc, l_i, m_i, shift_smem, b, h, bhq, bhk, row0, BM, o_layout)
     return base + (end - first)
 
 
 @gluon.jit
-def consumer(cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, WARPGROUP: gl.constexpr, descs=None):
+def consumer(cfg, prob, ring, q_all, o_all, m_all, shift_all, WARPGROUP: gl.constexpr, descs=None):
     q_smem = q_all.index(WARPGROUP)
     o_smem = o_all.index(WARPGROUP)
     m_smem = m_all.index(WARPGROUP)
-    p_smem = p_all.index(WARPGROUP)
     shift_smem = shift_all.index(WARPGROUP)
     if cfg.PERSISTENT:
         first, step = item_range(prob.NUM_ITEMS, cfg.PERSISTENT)
         base = 0  # the ring's tiles consumed before this item (the loader counts alike)
         for t in range(first, prob.NUM_ITEMS, step):
-            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, descs,
+            base = consume_item(t, base, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, descs,
                                 WARPGROUP)
     else:
-        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, shift_smem, descs,
+        consume_item(gl.program_id(0), 0, cfg, prob, ring, q_smem, o_smem, m_smem, shift_smem, descs,
                      WARPGROUP)
 
 
@@ -115,15 +103,16 @@ def attention_kernel(
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr, CONSUMERS: gl.constexpr,
     WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr, V_DITHER: gl.constexpr,
-    CAUSAL_SPLIT: gl.constexpr, P_SMEM: gl.constexpr, SOLO: gl.constexpr,
+    CAUSAL_SPLIT: gl.constexpr, SOLO: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
     gl.static_assert(not (SOLO and PERSISTENT), "a SOLO CTA runs one work item (its ring restarts at each)")
     gl.static_assert(not (CAUSAL_SPLIT and (WINDOW or CHUNK)), "the split counts tiles from key 0, not a span's start")
+    gl.static_assert((SOLO and CONSUMERS == 1) or (not SOLO and CONSUMERS == 2),
+                     "a SOLO CTA is one warpgroup; a warp-specialized one has two")
     BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT,
-                 P_SMEM, SOLO)
+                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT, SOLO)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                    NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)
@@ -143,11 +132,6 @@ def attention_kernel(
     # each row's sm_scale·q·k̄ from the prologue for the epilogue (the lse and the sinks need it): shared memory,
     # not registers (two registers a row all loop long spilled), nor Q read again (at head dim 256 the
     # reloaded rows beside the accumulator spilled the epilogue); m_all stands in where nothing needs it
-    if P_SMEM:  # each consumer's P of a tile in FP8, the A operand of its P·V (mainloop.py)
-        p_all = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, 64, BLOCK_N],
-                                          gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv))
-    else:
-        p_all = m_all
     if RETURN_LSE or SINKS:
         shift_all = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
@@ -160,22 +144,10 @@ def attention_kernel(
     ring = Ring(k_smem, v_smem, ds_smem, kc_smem, kv_ready, kv_empty)
 
     if SOLO:  # no partitions: the one warpgroup loads its tiles itself
-        consumer(cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 0, (k_desc, vt_desc, ds_desc))
-    elif CONSUMERS == 3:
-        gl.warp_specialize([
-            (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 0)),
-            (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 1)),
-            (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 2)),
-            (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
-        ], [4, 4, 1], [CONSUMER_REGISTERS_3, CONSUMER_REGISTERS_3, LOADER_REGISTERS])
-    elif CONSUMERS == 1:
-        gl.warp_specialize([
-            (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 0)),
-            (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
-        ], [1], [LOADER_REGISTERS])
+        consumer(cfg, prob, ring, q_all, o_all, m_all, shift_all, 0, (k_desc, vt_desc, ds_desc))
     else:
         gl.warp_specialize([
-            (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 0)),
-            (consumer, (cfg, prob, ring, q_all, o_all, m_all, p_all, shift_all, 1)),
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 0)),
+            (consumer, (cfg, prob, ring, q_all, o_all, m_all, shift_all, 1)),
             (load_kv, (cfg, prob, ring, k_desc, vt_desc, ds_desc)),
         ], [4, 1], [CONSUMER_REGISTERS_D256 if D_PAD > 128 else CONSUMER_REGISTERS, LOADER_REGISTERS])

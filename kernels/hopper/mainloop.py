@@ -1,4 +1,5 @@
-"""The consumers: CONSUMERS warpgroups (1, 2 or 3), 64 query rows each, that turn K̂/V̂ᵀ tiles into an output.
+"""The consumers: warpgroups of 64 query rows that turn K̂/V̂ᵀ tiles into an output (two a warp-specialized CTA,
+or one SOLO CTA's).
 
 Prologue (``quantize_q``): the warpgroup loads its Q rows in the model's dtype (any layout, by
 strides), subtracts q̄ and quantizes each row to INT8 (±127, or ±7 for qattn-4b) with its own
@@ -9,20 +10,17 @@ Main loop (``attend``), FA3's intra-warpgroup order: while P·V of tile j runs o
 cores, the softmax of tile j+1 runs on the FP32/MUFU units:
 
     issue  S(j+1) = Q̂·K̂(j+1)ᵀ          INT8 wgmma, int32 accumulator
-    issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O (P̂ from registers, or from shared memory)
+    issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O (P̂ from registers)
     wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS + qc·kc,  m, l,  P = 2^(s − m + log2 448)
                                    [V_DITHER: ΔS includes log2 φ, V̂'s tile dither: l sums P / φ]
                                    (qc·kc: K's split channel, rank one; only for kv heads that have one)
                                    [SOFTCAP: s ← c·tanh(s_true / c)·log2 e, s_true = s / log2 e + sm_scale·q·k̄]
-    wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)   [P_SMEM: P̂(j+1) into shared memory]
+    wait   P·V(j);  release stage j;  O ·= 2^(m_old − m)
     every PV_TILES tiles:  O_smem = O_smem·2^(m_flush − m) + O;  O = 0      (two-level accumulation)
 
 P is produced at the FP8 scale directly (448 = E4M3's largest value, folded into exp2). Keys are
 relabelled inside each 32-key group (and V̂ᵀ's columns permuted to match by the K/V pass), so P
-goes from the S accumulator registers to the P·V A operand without shuffles. P_SMEM: P goes to shared
-memory instead (``p_smem``, stmatrix), the A operand of the next step's P·V, once P·V of this step has run;
-P is then not held in registers from one step to the next (64 a thread at d128), which is what lets three
-d128 consumer warpgroups fit their 160 registers (tuning.hopper_p_smem).
+goes from the S accumulator registers to the P·V A operand without shuffles.
 
 Two-level accumulation: Hopper's FP8 wgmma adds its products into the accumulator with fewer bits
 than FP32, so the error of one accumulator grows with the tiles summed in it (measured on the H100:
@@ -192,15 +190,6 @@ def _p_operand(p, BM: gl.constexpr, BLOCK_N: gl.constexpr, p_layout: gl.constexp
 
 
 @gluon.jit
-def _p_to_smem(p, p_smem, BM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """P → FP8 in shared memory, the A operand of the next P·V wgmma (P_SMEM): no P held in registers across
-    the loop's steps. Every thread of the warpgroup wrote a part, and the wgmma reads through the async proxy."""
-    p_smem.store(_p_fp8(p, BM, BLOCK_N))
-    fence_async_shared()
-    partition_barrier()
-
-
-@gluon.jit
 def _flushed(o_smem, m_smem, acc, m_i, first, o_layout: gl.constexpr):
     """O_smem·2^(m_flush − m) + acc: the sum so far at the current row maximum m_i (acc is at m_i already;
     O_smem at m_flush, the row maximum of the last flush, kept beside it in ``m_smem``). ``first``:
@@ -231,12 +220,11 @@ def _variant_constants(cfg, prob, row0, BM: gl.constexpr):
 
 
 @gluon.jit
-def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out,
+def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap, cap_in, cap_out,
            qk_zero, base, first, lo, hi, acc, p, m_i, l_i, first_row, row0, lo_last, BM: gl.constexpr,
            qk_layout: gl.constexpr, o_layout: gl.constexpr, MASK: gl.constexpr):
     """The main loop's steps i in [lo, hi): S of tile i + 1 and P·V of tile i on the tensor cores, the softmax of
-    tile i + 1 meanwhile; every PV_TILES tiles the accumulator is flushed first. Returns (acc, P, m, l); with
-    P_SMEM the P passed in, unchanged (the last step's P is in ``p_smem``)."""
+    tile i + 1 meanwhile; every PV_TILES tiles the accumulator is flushed first. Returns (acc, P, m, l)."""
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     STAGES: gl.constexpr = cfg.STAGES
     PV_TILES: gl.constexpr = cfg.PV_TILES
@@ -251,15 +239,11 @@ def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_spl
             o_smem.store(_flushed(o_smem, m_smem, acc, m_i, i == PV_TILES, o_layout))
             m_smem.store(gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)))  # read back by these threads
             acc = gl.zeros([BM, cfg.D_PAD], gl.float32, layout=o_layout)
-        if not cfg.P_SMEM:
-            p8 = _p_operand(p, BM, BLOCK_N, p_layout)
+        p8 = _p_operand(p, BM, BLOCK_N, p_layout)
         k_scale = _k_scale(cfg, KS_bh, first + i + 1, col)
         mbarrier.wait(ring.ready.index(s1), ((base + i + 1) // STAGES) & 1)
         qk = warpgroup_mma(q_smem, ring.k.index(s1).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        if cfg.P_SMEM:
-            acc = warpgroup_mma(p_smem, ring.v.index(s).permute((1, 0)), acc, is_async=True)
-        else:
-            acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(p8, ring.v.index(s).permute((1, 0)), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
         ds = ring.ds.index(s1).load(col)
         p_next, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds,
@@ -268,15 +252,12 @@ def _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_spl
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty.index(s), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        if cfg.P_SMEM:  # once P·V of this step has run; P is then not carried to the next step
-            _p_to_smem(p_next, p_smem, BM, BLOCK_N)
-        else:
-            p = p_next
+        p = p_next
     return acc, p, m_i, l_i
 
 
 @gluon.jit
-def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_smem, KS_bh, base, first, n, first_row,
+def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, KS_bh, base, first, n, first_row,
            row0, BM: gl.constexpr, qk_layout: gl.constexpr, o_layout: gl.constexpr):
     """The main loop over the n key tiles [first, first + n): returns (O unnormalized, l, m). ``base`` counts
     the ring's tiles before this work item (the ring runs on across a persistent CTA's items): the item's
@@ -307,29 +288,24 @@ def attend(cfg, prob, ring, q_smem, q_coef, q_split, q_cap, o_smem, m_smem, p_sm
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         p, alpha, m_i, l_i = _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, ring.kc.index(s0),
                                       k_scale, m_i, l_i, first, first_row, row0, lo_last, BM, qk_layout, MASKED)
-        if cfg.P_SMEM:
-            _p_to_smem(p, p_smem, BM, BLOCK_N)
         # P is carried in fp32 and packed to FP8 where it is used: a loop-carried fp8 tensor is split
         # into bytes by the lowering (about 200 extra instructions a tile).
         if cfg.CAUSAL_SPLIT:
             # tiles [0, n_plain) end left of the first row's diagonal; the step of index i runs tile i + 1's softmax
             n_plain = gl.minimum(gl.maximum(first_row + (prob.NK - prob.NQ) + 1, 0) // BLOCK_N, n)
-            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_split, q_cap,
+            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
                                       cap_in, cap_out, qk_zero, base, first, 0, n_plain - 1, acc, p, m_i, l_i,
                                       first_row, row0, lo_last, BM, qk_layout, o_layout, False)
-            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_split, q_cap,
+            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
                                       cap_in, cap_out, qk_zero, base, first, gl.maximum(n_plain - 1, 0), n - 1, acc,
                                       p, m_i, l_i, first_row, row0, lo_last, BM, qk_layout, o_layout, True)
         else:
-            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, p_smem, KS_bh, q_coef, q_split, q_cap,
+            acc, p, m_i, l_i = _steps(cfg, prob, ring, q_smem, o_smem, m_smem, KS_bh, q_coef, q_split, q_cap,
                                       cap_in, cap_out, qk_zero, base, first, 0, n - 1, acc, p, m_i, l_i, first_row,
                                       row0, lo_last, BM, qk_layout, o_layout, MASKED)
         s = (base + n - 1) % STAGES
-        if cfg.P_SMEM:
-            acc = warpgroup_mma(p_smem, ring.v.index(s).permute((1, 0)), acc, is_async=True)
-        else:
-            acc = warpgroup_mma(_p_operand(p, BM, BLOCK_N, p_layout), ring.v.index(s).permute((1, 0)), acc,
-                                is_async=True)
+        acc = warpgroup_mma(_p_operand(p, BM, BLOCK_N, p_layout), ring.v.index(s).permute((1, 0)), acc,
+                            is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ring.empty.index(s), count=1)
         if n > PV_TILES + 1:  # a flush happened (at tile PV_TILES < n − 1)

@@ -27,17 +27,15 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                  return_lse: bool = False, has_kv_range: bool = False, dtype: str = "fp16",
                  persistent: bool = False, split: bool = False, pv_tiles: int | None = None,
                  window: bool = False, chunk: bool = False, sinks: bool = False, softcap: bool = False,
-                 block_n: int | None = None, d_pad: int | None = None, consumers: int | None = None,
-                 causal_split: bool | None = None, keys: int = 4096, p_smem: bool | None = None,
-                 solo: bool | None = None):
+                 block_n: int | None = None, d_pad: int | None = None, causal_split: bool | None = None,
+                 keys: int = 4096, solo: bool | None = None):
     """The compiled kernel (``.asm`` holds ptx, cubin) for one configuration. ``window``, ``chunk``, ``sinks``,
     ``softcap``: the attention variants' switches (their sizes are runtime arguments). ``block_n`` / ``d_pad``
-    override the tuned tile and padded head dim (to try configurations not shipped); ``stages``, ``pv_tiles`` and
-    ``consumers`` default to the tuned ones for a call over ``keys`` keys (kernels.json, tuning.hopper_cta);
-    ``causal_split``: the causal main loop split at the diagonal (as tuning.hopper_causal_split picks unless
-    given); ``p_smem``: P through shared memory (as tuning.hopper_p_smem picks unless given); ``solo``: the
-    one-warpgroup CTA that loads its own tiles (hopper/mainloop.attend_solo; as tuning.hopper_solo picks unless
-    given, or unless ``consumers`` or ``pv_tiles`` is given)."""
+    override the tuned tile and padded head dim (to try configurations not shipped); ``stages`` and ``pv_tiles``
+    default to the tuned ones (kernels.json); ``causal_split``: the causal main loop split at the diagonal (as
+    tuning.hopper_causal_split picks for a call over ``keys`` keys unless given); ``solo``: the one-warpgroup CTA
+    that loads its own tiles (hopper/mainloop.attend_solo; as tuning.hopper_solo picks unless given, or unless
+    ``pv_tiles`` is given), else the warp-specialized CTA of two consumer warpgroups."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from .attention import attention_kernel, register_cap
@@ -48,17 +46,12 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
     if solo is None:
-        solo = consumers is None and pv_tiles is None and tuning.hopper_solo(head_dim, persistent=persistent)
-    pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
-    if solo:
+        solo = pv_tiles is None and tuning.hopper_solo(head_dim, persistent=persistent)
+    elif solo:
         tuning.check_solo(head_dim, persistent=persistent)
-        consumers, p_smem = 1, False
-        stages = tuning.hopper_stages(head_dim, 1, solo=True) if stages is None else stages
-    if consumers is None:
-        consumers = tuning.hopper_cta(head_dim, causal=causal, keys=keys, return_lse=return_lse, split=split,
-                                      variant=window or chunk or sinks or softcap, persistent=persistent)[0]
-    stages = tuning.hopper_stages(head_dim, consumers) if stages is None else stages
-    p_smem = tuning.hopper_p_smem(head_dim, consumers) if p_smem is None else p_smem
+    pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
+    consumers = 1 if solo else 2
+    stages = tuning.hopper_stages(head_dim, solo) if stages is None else stages
     if causal_split is None:
         causal_split = tuning.hopper_causal_split(head_dim, causal=causal, variant_span=window or chunk, keys=keys)
 
@@ -86,13 +79,13 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                   "CAUSAL": causal, "HAS_KV_RANGE": has_kv_range, "K_TOKEN_SCALE": k_token_scale,
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
                   "PV_TILES": pv_tiles, "CONSUMERS": consumers, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks,
-                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split, "P_SMEM": p_smem,
+                  "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split,
                   "V_DITHER": tuning.v_dither(softcap), "SOLO": solo}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    options = {"num_warps": 4, **tuning.register_cap(register_cap(consumers, solo), interp=False)}
+    options = {"num_warps": 4, **tuning.register_cap(register_cap(solo), interp=False)}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -33,9 +33,8 @@ class Config:
     (their sizes are runtime values in Problem): WINDOW (sliding window), CHUNK (chunked attention), SINKS
     (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores).
     V_DITHER: V̂ was quantized with its tile dither (kernels/formats.py), whose log2 φ ΔS carries: l sums P / φ.
-    CAUSAL_SPLIT: causal, the main loop split at the diagonal (mainloop.attend). P_SMEM: P reaches the P·V wgmma
-    through shared memory, not registers (mainloop.py). SOLO: no loader warp; one warpgroup loads its own tiles and
-    runs each tile's steps in turn, several CTAs an SM (mainloop.attend_solo)."""
+    CAUSAL_SPLIT: causal, the main loop split at the diagonal (mainloop.attend). SOLO: no loader warp; one
+    warpgroup loads its own tiles and runs each tile's steps in turn, several CTAs an SM (mainloop.attend_solo)."""
     HEAD_DIM: gl.constexpr
     D_PAD: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -56,13 +55,12 @@ class Config:
     SOFTCAP: gl.constexpr
     V_DITHER: gl.constexpr
     CAUSAL_SPLIT: gl.constexpr
-    P_SMEM: gl.constexpr
     SOLO: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE,
                  P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER,
-                 CAUSAL_SPLIT, P_SMEM, SOLO):
+                 CAUSAL_SPLIT, SOLO):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.D_PAD = gl.constexpr(D_PAD)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -83,7 +81,6 @@ class Config:
         self.SOFTCAP = gl.constexpr(SOFTCAP)
         self.V_DITHER = gl.constexpr(V_DITHER)
         self.CAUSAL_SPLIT = gl.constexpr(CAUSAL_SPLIT)
-        self.P_SMEM = gl.constexpr(P_SMEM)
         self.SOLO = gl.constexpr(SOLO)
 
 
