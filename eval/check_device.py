@@ -20,7 +20,6 @@ most the reference's + 0.01, its cosine to exact attention is at least 0.99, and
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import sys
 import zlib
