@@ -287,7 +287,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     hopper/mainloop.attend_solo; False: the warp-specialized CTA of two consumer warpgroups and a loader warp):
     the tuned configuration's unless given (to measure others); ``persistent`` or ``pv_tiles`` given without
     ``solo`` launch the warp-specialized CTA (SOLO sums one key tile a P·V accumulator)."""
-    from .hopper.attention import attention_kernel as hopper_kernel, register_cap
+    from .hopper.attention import attention_kernel as hopper_kernel
     from .hopper.gluon_api import TensorDescriptor as GluonDescriptor
 
     b, hq, nq, d = q.shape
@@ -326,7 +326,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        SOLO=solo, num_warps=4, **tuning.register_cap(register_cap(solo)),
+        SOLO=solo, num_warps=4, **tuning.register_cap(tuning.hopper_register_cap(d, solo)),
     )
     return lse
 

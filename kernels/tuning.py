@@ -107,6 +107,14 @@ def hopper_solo(head_dim: int, *, persistent: bool) -> bool:
     return bool(hopper_config(head_dim)["SOLO"]) and not persistent
 
 
+def hopper_register_cap(head_dim: int, solo: bool) -> int:
+    """The sm90 kernel's cap on registers a thread: the head dim's SOLO_REGISTERS for a SOLO CTA (kernels.json:
+    168 lets three CTAs share an SM's 64K, 3 × 128 × 168, so three warpgroups' steps overlap without sharing a
+    ring; a 64×128 FP32 output, S and P·V's fresh accumulator fit them), none for the warp-specialized CTA (its
+    warp_specialize splits the SM's registers between its roles)."""
+    return hopper_config(head_dim)["SOLO_REGISTERS"] if solo else 0
+
+
 def check_solo(head_dim: int, *, persistent: bool) -> None:
     """Refuse a SOLO CTA asked for explicitly where it cannot run: past head dim 128 (a 64×D FP32 output and a
     fresh P·V accumulator do not fit 168 registers) or on a persistent grid (a SOLO CTA runs one work item)."""

@@ -31,14 +31,8 @@ CONSUMER_REGISTERS = gl.constexpr(232)  # of the 64K per SM: 2 consumer warpgrou
 # 232 spilled the worker, 248 left the default 240 and spilled it; 240 leaves it 248 and spills neither
 CONSUMER_REGISTERS_D256 = gl.constexpr(240)
 LOADER_REGISTERS = gl.constexpr(24)
-# SOLO (one warpgroup, no loader): 168 registers a thread let three CTAs share an SM (3 × 128 × 168 of 64K), so
-# three warpgroups' steps overlap without sharing a ring; the FP32 output, S (then P·V) and the rest fit them
-SOLO_MAXNREG = 168
-
-
-def register_cap(solo: bool) -> int:
-    """The launch's cap on registers a thread: SOLO's, or none (the warp-specialized CTA holds the SM's)."""
-    return SOLO_MAXNREG if solo else 0
+# SOLO (one warpgroup, no loader) takes no warp_specialize register split: the launch caps its registers a thread
+# (kernels.json SOLO_REGISTERS, tuning.hopper_register_cap) so that several CTAs share an SM
 
 
 @gluon.jit

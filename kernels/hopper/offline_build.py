@@ -38,7 +38,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
     ``pv_tiles`` is given), else the warp-specialized CTA of two consumer warpgroups."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .attention import attention_kernel, register_cap
+    from .attention import attention_kernel
     from .gluon_api import gl
 
     from .. import tuning
@@ -85,7 +85,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    options = {"num_warps": 4, **tuning.register_cap(register_cap(solo), interp=False)}
+    options = {"num_warps": 4, **tuning.register_cap(tuning.hopper_register_cap(head_dim, solo), interp=False)}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
