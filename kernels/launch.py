@@ -326,7 +326,9 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        SOLO=solo, num_warps=4, **tuning.register_cap(tuning.hopper_register_cap(d, solo)),
+        SOLO=solo, num_warps=4,
+        **tuning.register_cap(tuning.hopper_register_cap(d, solo, variant=bool(window or chunk or softcap)
+                                                         or sinks is not None)),
     )
     return lse
 

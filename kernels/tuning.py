@@ -107,12 +107,13 @@ def hopper_solo(head_dim: int, *, persistent: bool) -> bool:
     return bool(hopper_config(head_dim)["SOLO"]) and not persistent
 
 
-def hopper_register_cap(head_dim: int, solo: bool) -> int:
-    """The sm90 kernel's cap on registers a thread: the head dim's SOLO_REGISTERS for a SOLO CTA (kernels.json:
-    168 lets three CTAs share an SM's 64K, 3 × 128 × 168, so three warpgroups' steps overlap without sharing a
-    ring; a 64×128 FP32 output, S and P·V's fresh accumulator fit them), none for the warp-specialized CTA (its
-    warp_specialize splits the SM's registers between its roles)."""
-    return hopper_config(head_dim)["SOLO_REGISTERS"] if solo else 0
+def hopper_register_cap(head_dim: int, solo: bool, variant: bool = False) -> int:
+    """The sm90 kernel's cap on registers a thread: the head dim's SOLO_REGISTERS for a SOLO CTA, "variants" for a
+    call with a window, chunk, sinks or soft-cap (``variant``), "plain" otherwise (kernels.json: 168 lets three CTAs
+    share an SM's 64K, 3 × 128 × 168, so three warpgroups' steps overlap without sharing a ring, and a 64×128 FP32
+    output, S and P·V's fresh accumulator fit them; 128, four CTAs, where a head dim's loops fit it: plain d64);
+    none for the warp-specialized CTA (its warp_specialize splits the SM's registers between its roles)."""
+    return hopper_config(head_dim)["SOLO_REGISTERS"]["variants" if variant else "plain"] if solo else 0
 
 
 def check_solo(head_dim: int, *, persistent: bool) -> None:

@@ -85,7 +85,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    options = {"num_warps": 4, **tuning.register_cap(tuning.hopper_register_cap(head_dim, solo), interp=False)}
+    options = {"num_warps": 4, **tuning.register_cap(
+        tuning.hopper_register_cap(head_dim, solo, variant=window or chunk or sinks or softcap), interp=False)}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
