@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -37,7 +38,8 @@ def use(overrides: dict):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", required=True, help="KEY=JSON_VALUE[,KEY=JSON_VALUE]: setting B")
+    parser.add_argument("--set", required=True,
+                        help='KEY=JSON_VALUE[,KEY=JSON_VALUE]: setting B (e.g. SOLO_REGISTERS={"plain":128,"variants":168})')
     parser.add_argument("--shapes", default="128:0:2048,128:0:4096,128:0:16384,128:1:2048,128:1:4096,128:1:8192,"
                                             "128:1:16384,64:0:4096,64:0:16384,64:1:4096,64:1:16384",
                         help="head_dim:causal:N, comma-separated")
@@ -48,7 +50,9 @@ def main():
     parser.add_argument("--sinks", action="store_true", help="a sink logit per query head (gpt-oss)")
     parser.add_argument("--same-output", action="store_true", help="require bit-identical outputs of A and B")
     args = parser.parse_args()
-    overrides = {key: json.loads(value) for key, value in (item.split("=") for item in args.set.split(","))}
+    # KEY=VALUE items split at a comma that starts the next KEY= (a JSON value may hold commas itself)
+    overrides = {key: json.loads(value) for key, value in
+                 (item.split("=", 1) for item in re.split(r",(?=[A-Z_0-9]+=)", args.set))}
     rows, failed = [], []
     for shape in args.shapes.split(","):
         d, causal, n = (int(x) for x in shape.split(":"))
