@@ -26,6 +26,11 @@ from .attention import attention_kernel
 from .formats import INT_MAX, LOG2E, P_LOG2_FP8, P_SCALE
 from .quantize import centers_kernel, quantize_kv_kernel
 
+# the sm90 kernel's causal mask compares key and query positions as float32 (kernels/hopper/mainloop.py), exact
+# below 2^24: a causal call whose positions reach it is refused rather than masked wrong (a window or chunk
+# is masked in int32)
+HOPPER_CAUSAL_POSITIONS = 1 << 24
+
 
 def smoothing_centers(q, k, v, smooth_q: bool, smooth_k: bool, smooth_v: bool, *, v_range: torch.Tensor | None = None,
                       k_range: torch.Tensor | None = None, maxnreg: int = 0, centers: torch.Tensor | None = None,
@@ -293,6 +298,10 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
     b, hq, nq, d = q.shape
     config = tuning.hopper_config(d)
     window, chunk = _key_spans(window, chunk, nk)
+    if is_causal and not (window or chunk) and max(nq, nk) + config["BLOCK_N"] > HOPPER_CAUSAL_POSITIONS:
+        most = HOPPER_CAUSAL_POSITIONS - config["BLOCK_N"]
+        raise ValueError(f"is_causal: the sm90 kernel masks causal calls of up to {most:,} queries and keys "
+                         f"(positions compared as float32, exact below 2**24); got {nq:,} and {nk:,}")
     persistent = config["PERSISTENT"] if persistent is None else persistent
     if solo is None:
         solo = pv_tiles is None and tuning.hopper_solo(d, persistent=persistent)

@@ -396,6 +396,20 @@ def test_launch_passes_the_cta_that_tuning_picks(monkeypatch, d, keys, causal, s
 
 
 @needs_gluon
+def test_a_causal_call_past_the_masks_float_positions_is_refused(monkeypatch):
+    """The causal mask compares positions as float32, exact below 2^24: a causal call at or past the limit (a
+    smaller one patched in here) is a ValueError naming is_causal, not a silently wrong mask; full attention and a
+    window (masked in int32) still launch."""
+    monkeypatch.setattr(launch, "HOPPER_CAUSAL_POSITIONS", 4096 + 128)
+    assert _recorded_launch(monkeypatch, keys=4096, is_causal=True)["CAUSAL"]
+    monkeypatch.setattr(launch, "HOPPER_CAUSAL_POSITIONS", 4096 + 127)
+    with pytest.raises(ValueError, match="is_causal: .*float32"):
+        _recorded_launch(monkeypatch, keys=4096, is_causal=True)
+    assert not _recorded_launch(monkeypatch, keys=4096, is_causal=False)["CAUSAL"]
+    assert _recorded_launch(monkeypatch, keys=4096, is_causal=True, window=1024)["WINDOW"]
+
+
+@needs_gluon
 def test_solo_register_cap_by_head_dim_and_variant(monkeypatch):
     """SOLO's register cap (kernels.json SOLO_REGISTERS): 128 (four CTAs an SM) for plain d64 calls, measured faster
     on the H200; 168 (three) at d128 and for every d64 call with a window, chunk, sinks or soft-cap, whose loops
