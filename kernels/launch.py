@@ -303,10 +303,9 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         raise ValueError(f"is_causal: the sm90 kernel masks causal calls of up to {most:,} queries and keys "
                          f"(positions compared as float32, exact below 2**24); got {nq:,} and {nk:,}")
     persistent = config["PERSISTENT"] if persistent is None else persistent
-    if solo is None:
-        solo = pv_tiles is None and tuning.hopper_solo(d, persistent=persistent)
-    elif solo:
-        tuning.check_solo(d, persistent=persistent)
+    solo, consumers, stages, maxnreg = tuning.hopper_cta_shape(
+        d, persistent=persistent, variant=bool(window or chunk or softcap) or sinks is not None, solo=solo,
+        pv_tiles=pv_tiles, stages=stages)
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     descriptors = kv.derived.get(("hopper", block_n))
     if descriptors is None:
@@ -317,8 +316,6 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
             GluonDescriptor.from_tensor(kv.ds.view(-1), [block_n], ds_layout))
     k_desc, vt_desc, ds_desc = descriptors
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32) if return_lse else None
-    consumers = 1 if solo else 2
-    stages = stages or tuning.hopper_stages(d, solo)
     items = triton.cdiv(nq, 64 * consumers) * b * hq  # work items: 64 query rows a consumer warpgroup, one batch·head
     sms = tuning.sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if persistent and q.is_cuda else 0
@@ -335,9 +332,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        SOLO=solo, num_warps=4,
-        **tuning.register_cap(tuning.hopper_register_cap(d, solo, variant=bool(window or chunk or softcap)
-                                                         or sinks is not None)),
+        SOLO=solo, num_warps=4, **tuning.register_cap(maxnreg),
     )
     return lse
 

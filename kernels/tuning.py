@@ -116,6 +116,20 @@ def hopper_register_cap(head_dim: int, solo: bool, variant: bool = False) -> int
     return hopper_config(head_dim)["SOLO_REGISTERS"]["variants" if variant else "plain"] if solo else 0
 
 
+def hopper_cta_shape(head_dim: int, *, persistent: bool, variant: bool, solo: bool | None = None,
+                     pv_tiles: int | None = None, stages: int | None = None) -> tuple[bool, int, int, int]:
+    """(SOLO, consumer warpgroups, ring stages, register cap) of the sm90 kernel's CTA for a call — one decision for
+    the launch and the offline build. ``solo`` None: :func:`hopper_solo` decides, unless ``pv_tiles`` is given (only
+    the warp-specialized CTA has that setting); an explicit SOLO that cannot run is refused (:func:`check_solo`).
+    ``stages``: the head dim's unless given; ``variant``: the call has a window, chunk, sinks or soft-cap."""
+    if solo is None:
+        solo = pv_tiles is None and hopper_solo(head_dim, persistent=persistent)
+    elif solo:
+        check_solo(head_dim, persistent=persistent)
+    return (solo, 1 if solo else 2, stages or hopper_stages(head_dim, solo),
+            hopper_register_cap(head_dim, solo, variant=variant))
+
+
 def check_solo(head_dim: int, *, persistent: bool) -> None:
     """Refuse a SOLO CTA asked for explicitly where it cannot run: past head dim 128 (a 64×D FP32 output and a
     fresh P·V accumulator do not fit 168 registers) or on a persistent grid (a SOLO CTA runs one work item)."""

@@ -242,6 +242,11 @@ def test_hopper_config_is_read_from_the_shipped_table():
     assert tuning.hopper_solo(128, persistent=False) and tuning.hopper_solo(64, persistent=False)
     assert tuning.hopper_solo(96, persistent=False)  # pads to 128
     assert not tuning.hopper_solo(256, persistent=False) and not tuning.hopper_solo(128, persistent=True)
+    # the one decision the launch and the offline build share: (SOLO, consumers, stages, register cap)
+    assert tuning.hopper_cta_shape(64, persistent=False, variant=False) == (True, 1, 2, 128)
+    assert tuning.hopper_cta_shape(64, persistent=False, variant=True) == (True, 1, 2, 168)
+    assert tuning.hopper_cta_shape(128, persistent=False, variant=False, pv_tiles=8) == (False, 2, 3, 0)
+    assert tuning.hopper_cta_shape(256, persistent=False, variant=False, stages=3) == (False, 2, 3, 0)
 
 
 def test_causal_main_loop_split_from_the_head_dims_threshold():

@@ -45,13 +45,10 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
-    if solo is None:
-        solo = pv_tiles is None and tuning.hopper_solo(head_dim, persistent=persistent)
-    elif solo:
-        tuning.check_solo(head_dim, persistent=persistent)
+    solo, consumers, stages, maxnreg = tuning.hopper_cta_shape(
+        head_dim, persistent=persistent, variant=window or chunk or sinks or softcap, solo=solo, pv_tiles=pv_tiles,
+        stages=stages)
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
-    consumers = 1 if solo else 2
-    stages = tuning.hopper_stages(head_dim, solo) if stages is None else stages
     if causal_split is None:
         causal_split = tuning.hopper_causal_split(head_dim, causal=causal, variant_span=window or chunk, keys=keys)
 
@@ -85,8 +82,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
     source = GluonASTSource(attention_kernel, {n: signature[n] for n in names}, constexprs=constexprs)
-    options = {"num_warps": 4, **tuning.register_cap(
-        tuning.hopper_register_cap(head_dim, solo, variant=window or chunk or sinks or softcap), interp=False)}
+    options = {"num_warps": 4, **tuning.register_cap(maxnreg, interp=False)}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
