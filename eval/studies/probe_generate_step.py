@@ -3,9 +3,17 @@
     bash eval/device_run.sh python3 eval/studies/probe_generate_step.py [PROMPT [MODES [cprofile]]]   e.g. 16384 qattn,flash
     bash eval/device_run.sh python3 eval/studies/probe_generate_step.py alternate 4096,16384
     bash eval/device_run.sh python3 eval/studies/probe_generate_step.py layers 4096
+    bash eval/device_run.sh python3 eval/studies/probe_generate_step.py captured 4096,16384
+    bash eval/device_run.sh python3 eval/studies/probe_generate_step.py startup 4096
 
 ``layers``: the host's µs a layer of the eager step's attention function and cache update (SDPA flash +
 DynamicCache against qattn + QAttnCache), three rounds, then a cProfile of 16 steps of each.
+
+``captured``: what bounds ``captured_generate``: the GPU time of one replayed step by cache format (replays back
+to back), the same step inside a greedy loop that synchronises every token as ``captured_generate`` does, and the
+floor — the model's step with no cache (attention over one key) in a CUDA graph; then the replayed step's kernels
+by GPU time. ``startup``: a ``captured_generate`` call's fixed cost (generate timed by new-token count, and the
+first CapturedDecodeStep calls one by one).
 
 Modes: ``sdpa`` (cuDNN) and ``flash`` (SDPA's flash backend) + DynamicCache, ``qattn`` + QAttnCache (int8).
 Prefill a prompt, then 24 greedy steps, each timed by CUDA events (what bench_decode reports) and by the
@@ -212,13 +220,131 @@ def layers(model, prompt: int, rounds: int = 3, steps: int = 48):
             cls.update = fn
 
 
+def _replay_ms(replay, steps: int = 32) -> float:
+    """Wall ms a call of ``replay`` run ``steps`` times back to back (GPU-bound: a replay's host time is µs)."""
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+@torch.no_grad()
+def captured(model, prompt: int, formats=("int8", "int4", "int8g"), steps: int = 32):
+    """GPU ms of a replayed decode step by cache format against the floor of the model's step (no cache, one
+    key), and the ms a token of a greedy loop that synchronises every token (captured_generate's loop)."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
+    position = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    forward = lambda: model(input_ids=ids, position_ids=position, use_cache=False).logits  # noqa: E731
+    for _ in range(3):
+        forward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    floor = _replay_ms(graph.replay, steps)
+    print(f"== captured L={prompt}: floor (the step without a cache, one key, one graph) {floor:.3f} ms", flush=True)
+    del graph
+    model.set_attn_implementation("qattn")
+    for fmt in formats:
+        cache = hf_qattn.QAttnCache(model, plan="int8", int8_layout="groups") if fmt == "int8g" else \
+            hf_qattn.QAttnCache(model, plan=fmt)
+        cache.reserve(prompt + 8 * steps + 16)
+        prompt_ids = torch.randint(1, model.config.vocab_size, (1, prompt), device=model.device)
+        token = model(prompt_ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        step = hf_qattn.CapturedDecodeStep(model, cache)
+        for _ in range(3):  # eager warm-up, capture, one replay
+            token = step(token)[:, -1:].argmax(-1)
+        replayed = _replay_ms(step._graph.replay, steps)
+        unfinished = torch.ones(1, dtype=torch.long, device=model.device)
+
+        def loop_step():
+            nonlocal token
+            logits = step(token)[:, -1]
+            token = logits.to(torch.float32, copy=True).argmax(-1, keepdim=True)
+            bool((unfinished & (token[:, 0] != -1)).any())  # the loop's stop test: one sync a token
+
+        looped = _replay_ms(loop_step, steps)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step._graph.replay()
+            torch.cuda.synchronize()
+        kernels = sorted(((e.key, e.self_device_time_total / 3) for e in prof.key_averages()), key=lambda kv: -kv[1])
+        total = sum(t for _, t in kernels)
+        attention = sum(t for name, t in kernels if any(k in name for k in ("decode", "append", "combine")))
+        print(f"   {fmt}: replay {replayed:.3f} ms (floor + {replayed - floor:.3f}), greedy loop synchronised every "
+              f"token {looped:.3f} ms; profiled kernels {total / 1e3:.3f} ms a step, of which decode/append "
+              f"{attention / 1e3:.3f} ms", flush=True)
+        for name, t in kernels[:12]:
+            print(f"      {t:8.1f} µs  {name[:110]}")
+        cache = step = None
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def startup(model, prompt: int, counts=(1, 2, 3, 17, 65, 257), profile: bool = True):
+    """A ``captured_generate`` call's fixed cost: ms of ``model.generate`` by new-token count (the faster of two
+    calls after a warm-up call), then the first CapturedDecodeStep calls one by one (eager warm-up, capture +
+    replay, replays), synchronised."""
+    model.set_attn_implementation("qattn")
+    ids = torch.randint(1, model.config.vocab_size, (1, prompt), device=model.device)
+
+    def call(new):
+        kwargs = {CACHE_KW: hf_qattn.QAttnCache(model, plan="int8")}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                       attention_mask=torch.ones_like(ids), custom_generate=hf_qattn.captured_generate, **kwargs)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    call(counts[-1])
+    times = {new: min(call(new) for _ in range(2)) for new in counts}
+    print(f"== startup L={prompt}: generate ms by new tokens " + ", ".join(f"{n}: {t:.1f}" for n, t in times.items()))
+    slope = (times[counts[-1]] - times[counts[-2]]) / (counts[-1] - counts[-2])
+    print(f"   ms a token from {counts[-2]}→{counts[-1]}: {slope:.3f}; fixed cost of the decode (T(2) − T(1) − slope): "
+          f"{times[2] - times[1] - slope:.1f} ms; (T({counts[-2]}) − T(1)) / {counts[-2] - 1} = "
+          f"{(times[counts[-2]] - times[1]) / (counts[-2] - 1):.3f} ms a token", flush=True)
+    cache = hf_qattn.QAttnCache(model, plan="int8")
+    cache.reserve(prompt + 16)
+    token = model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    t0 = time.perf_counter()
+    step = hf_qattn.CapturedDecodeStep(model, cache)
+    spent = [(time.perf_counter() - t0) * 1e3]
+    import cProfile
+    import pstats
+
+    profiles = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        token = step(token)[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        profiler.disable()
+        spent.append((time.perf_counter() - t0) * 1e3)
+        profiles.append(profiler)
+    print("   CapturedDecodeStep ms (under cProfile): build {:.1f}, eager warm-up {:.1f}, capture + replay {:.1f}, "
+          "replays {:.2f}, {:.2f}".format(*spent), flush=True)
+    if profile:
+        for name, profiler in zip(("eager warm-up", "capture + replay"), profiles):
+            print(f"--- cProfile: {name}")
+            pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(18)
+            pstats.Stats(profiler).strip_dirs().sort_stats("cumulative").print_stats(30)
+
+
 def main():
     import sys
 
-    if len(sys.argv) > 1 and sys.argv[1] in ("alternate", "layers"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("alternate", "layers", "captured", "startup"):
         model = build()
+        run = {"alternate": alternate, "layers": layers, "captured": captured, "startup": startup}[sys.argv[1]]
         for prompt in (int(n) for n in sys.argv[2].split(",")):
-            (alternate if sys.argv[1] == "alternate" else layers)(model, prompt)
+            run(model, prompt)
         return
     prompt = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     modes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["sdpa", "qattn", "sdpa"]  # sdpa twice: first-run effects
