@@ -514,6 +514,33 @@ def test_captured_decode_step_runs_the_step_it_captures(seed, monkeypatch):
         hf_qattn.CapturedDecodeStep(model, transformers.DynamicCache(config=model.config))
 
 
+def test_captured_step_runs_only_the_step_it_loaded(seed, monkeypatch):
+    """captured_generate loads a step's tokens before its stop test and runs the step after it: a run with
+    nothing loaded, or after the cache moved on since the load, is refused instead of replaying stale inputs;
+    a load then a run is the plain call."""
+    from hf_qattn.kv_cache import captured
+
+    monkeypatch.setattr(captured, "_capture_device_ok", lambda device: True)
+    model = _tiny_lm()
+    ids, steps = torch.randint(1, 128, (1, 9)), torch.randint(1, 128, (1, 2))
+    base = _stepped_logits(model, ids, hf_qattn.QAttnCache(model, static_max_len=16), steps)
+    cache = hf_qattn.QAttnCache(model, static_max_len=16)
+    with torch.no_grad():
+        model(ids, **{CACHE_KW: cache}, use_cache=True)
+        step = hf_qattn.CapturedDecodeStep(model, cache, warmup=4)
+        with pytest.raises(qcache.QAttnCacheError, match="no step is loaded"):
+            step._run()
+        step._load(steps[:, :1])
+        torch.testing.assert_close(step._run()[:, -1], base[:, 1], rtol=0, atol=1e-5)
+        with pytest.raises(qcache.QAttnCacheError, match="no step is loaded"):
+            step._run()  # a load serves one run
+        step._load(steps[:, 1:])
+        model(steps[:, 1:], **{CACHE_KW: cache}, use_cache=True)  # other code steps the cache in between
+        with pytest.raises(qcache.QAttnCacheError, match="no step is loaded"):
+            step._run()
+    assert cache.get_seq_length() == 11
+
+
 def test_captured_step_refuses_a_step_past_the_static_storage(seed, monkeypatch):
     """A full static cache (its every slot holds a token) refuses the next step, before anything is written."""
     from hf_qattn.kv_cache import captured

@@ -83,6 +83,7 @@ class CapturedDecodeStep:
         self._storage = self._storage_ptrs()
         self._graph = None
         self._logits = None
+        self._loaded = None  # the cache's count when _load ran (None: nothing loaded)
 
     def _run_eagerly_after(self, error: RuntimeError, counts: list[int]) -> torch.Tensor:
         """A capture failed: nothing captured ran, so the layers' host counts go back to ``counts`` (those the
@@ -110,6 +111,13 @@ class CapturedDecodeStep:
         return out.logits
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._load(input_ids)
+        return self._run()
+
+    def _load(self, input_ids: torch.Tensor) -> None:
+        """The step's host half: the checks, and the token ids and position copied into the graph's inputs.
+        Side-effect free for the cache, so a loop can do it before it waits on its stop test (the GPU then
+        waits for no Python between the test and the replay); :meth:`_run` runs the step it loaded."""
         if input_ids.shape != self._ids.shape:
             raise ValueError(f"input_ids must have shape {tuple(self._ids.shape)} (batch, 1); "
                              f"got {tuple(input_ids.shape)}")
@@ -124,6 +132,14 @@ class CapturedDecodeStep:
         # the position from the cache's own count, every call (outside any capture): steps run on the cache
         # by other code in between keep the replayed step's positions right
         self._position.fill_(layers[0].get_seq_length())
+        self._loaded = layers[0].get_seq_length()
+
+    def _run(self) -> torch.Tensor:
+        """Runs the step :meth:`_load` prepared (eagerly while warming up, then captured, then replayed)."""
+        layers = self.cache.layers
+        if self._loaded != layers[0].get_seq_length():
+            raise QAttnCacheError("no step is loaded for the cache as it is now: call the step with its input_ids")
+        self._loaded = None
         if self._warmup > 0:  # eager: compiles and warms every kernel the captured step launches
             self._warmup -= 1
             return self._forward()

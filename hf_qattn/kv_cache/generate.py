@@ -96,10 +96,11 @@ def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stop
             input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
             if streamer is not None:
                 streamer.put(tokens.cpu())
+            step._load(tokens[:, None])  # before the stop test's wait: after it only the replay is launched
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
             if not bool(unfinished.any()):
                 break
-            logits = step(tokens[:, None])[:, -1]
+            logits = step._run()[:, -1]
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
@@ -122,5 +123,8 @@ class _EagerStep:
     def __init__(self, model, cache):
         self.model, self.kwargs = model, {cache_argument(model): cache}
 
-    def __call__(self, tokens):
-        return self.model(tokens, use_cache=True, **self.kwargs).logits
+    def _load(self, tokens):
+        self.tokens = tokens
+
+    def _run(self):
+        return self.model(self.tokens, use_cache=True, **self.kwargs).logits
