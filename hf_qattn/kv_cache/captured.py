@@ -131,8 +131,8 @@ class CapturedDecodeStep:
         self._ids.copy_(input_ids)
         # the position from the cache's own count, every call (outside any capture): steps run on the cache
         # by other code in between keep the replayed step's positions right
-        self._position.fill_(layers[0].get_seq_length())
         self._loaded = layers[0].get_seq_length()
+        self._position.fill_(self._loaded)
 
     def _run(self) -> torch.Tensor:
         """Runs the step :meth:`_load` prepared (eagerly while warming up, then captured, then replayed)."""
