@@ -97,6 +97,8 @@ def parse_args(argv=None):
                    help="generate level: only the model.generate calls (not the hand-timed decode loop)")
     p.add_argument("--prompts", default="4k,16k", help="prompt lengths, generate level")
     p.add_argument("--eager-only", action="store_true", help="generate calls: the eager modes only")
+    p.add_argument("--graphs-only", action="store_true",
+                   help="generate calls: the CUDA-graph modes only (captured_generate, compiled static SDPA)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--warmup-steps", type=int, default=8, help="decode steps not timed")
     p.add_argument("--layers", type=int, default=8)
@@ -537,7 +539,8 @@ def generate_call_rows(args, device, dtype):
     for prompt in parse_sizes(args.prompts):
         ids = torch.randint(1, model.config.vocab_size, (1, prompt), device=device)  # 0 is the pad token
         for mode in GENERATE_CALLS:
-            if args.eager_only and ("captured" in mode or "compiled" in mode):
+            graphs = "captured" in mode or "compiled" in mode
+            if (args.eager_only and graphs) or (args.graphs_only and not graphs):
                 continue
             row = {"prompt": prompt, "mode": mode}
             try:
@@ -566,9 +569,8 @@ def generate_call_table(rows) -> list[str]:
         mib = f"{r['cache_bytes'] / 2**20:.1f}" if r.get("cache_bytes") else "-"
         rel = (f"{r['cache_bytes'] / flash['cache_bytes']:.3f}"
                if r.get("cache_bytes") and flash and flash.get("cache_bytes") else "-")
-        lines.append(f"| {r['prompt']} | {r['mode']} | {r['ms_token']:.2f} | "
-                     f"{flash['ms_token'] / r['ms_token'] if flash else float('nan'):.2f} | "
-                     f"{static['ms_token'] / r['ms_token'] if static else float('nan'):.2f} | {mib} | {rel} |")
+        ratio = [f"{base['ms_token'] / r['ms_token']:.2f}" if base else "-" for base in (flash, static)]
+        lines.append(f"| {r['prompt']} | {r['mode']} | {r['ms_token']:.2f} | {ratio[0]} | {ratio[1]} | {mib} | {rel} |")
     return lines
 
 
