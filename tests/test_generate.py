@@ -87,3 +87,32 @@ def test_what_it_cannot_replay_runs_transformers_loop_counted(seed, fresh_stats)
     assert sorted(reasons) == ["captured_generate: a padded batch (rows at different positions)",
                                "captured_generate: static storage needs every cache layer quantized; this cache "
                                "also has ['DynamicLayer'] layers"]
+
+
+@pytest.mark.parametrize("batch,options,mode", [
+    (2, dict(num_beams=2), "beam search"),
+    (2, dict(num_beams=2, do_sample=True, num_return_sequences=2), "beam sample"),
+    (1, dict(prompt_lookup_num_tokens=3), "assisted generation")], ids=["beams", "beam-sample", "prompt-lookup"])
+def test_other_generation_modes_run_transformers_method_counted(seed, fresh_stats, batch, options, mode):
+    """transformers hands custom_generate every call whatever its mode (beams expanded into the batch): beam
+    search and prompt lookup run transformers' own method over the same cache — its sequences, not greedy
+    rows in their place — counted and warned once."""
+    model = _model()
+    model.generation_config.eos_token_id = None  # the random model could draw its EOS in one run and not another
+    ids = torch.randint(1, 128, (batch, 11), device=DEVICE)
+    torch.manual_seed(seed)
+    want = _generate(model, ids, False, max_new_tokens=5, **options)
+    torch.manual_seed(seed)
+    with pytest.warns(RuntimeWarning, match=f"{mode} is not greedy search or sampling"):
+        got = _generate(model, ids, True, max_new_tokens=5, **options)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert fresh_stats()["fallbacks"] == {f"captured_generate: {mode} is not greedy search or sampling": 1}
+
+
+def test_a_mode_transformers_keeps_on_the_hub_is_refused(seed):
+    """Contrastive search (transformers runs it from a Hub repository's own custom_generate): a ValueError naming
+    the mode, not greedy tokens."""
+    model = _model()
+    ids = torch.randint(1, 128, (1, 11), device=DEVICE)
+    with pytest.raises(ValueError, match="greedy search and sampling.*contrastive search.*Hub repository"):
+        _generate(model, ids, True, max_new_tokens=3, penalty_alpha=0.6, top_k=4)

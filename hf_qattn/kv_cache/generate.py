@@ -21,6 +21,12 @@ What it does not replay (left padding: rows at different positions; requests for
 attentions or hidden states; a cache that is not a QAttnCache or was filled before): it warns once
 and runs transformers' own sampling loop on the same cache (eager qattn), counted in
 :func:`hf_qattn.fallback_stats` as ``captured_generate: <reason>``.
+
+It replays greedy search and sampling only. transformers hands a ``custom_generate`` function every call
+whatever its generation mode (beams expanded into the batch): beam search and prompt-lookup decoding go on to
+transformers' own method for them, counted likewise; a mode transformers keeps in a Hub repository
+(contrastive search, DoLa, group or constrained beam search) is a ``ValueError`` — never greedy tokens in its
+place.
 """
 
 from __future__ import annotations
@@ -54,12 +60,40 @@ def _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs) 
     return None
 
 
+def _transformers_method(generation_config):
+    """transformers' own decoding method for the call's generation mode when it is neither greedy search nor
+    sampling: (its name, the mode), or None for the two modes replayed here. A mode whose method transformers
+    keeps in a Hub repository raises (the repository's own ``custom_generate`` would replace this one)."""
+    from transformers.generation.configuration_utils import GenerationMode
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+    mode = generation_config.get_generation_mode()
+    if mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return None
+    method = GENERATION_MODES_MAPPING.get(mode)
+    if method is None or "/" in method:
+        raise ValueError(f"custom_generate=hf_qattn.captured_generate runs greedy search and sampling (beam search "
+                         f"and prompt lookup through transformers' own methods); this generation config asks for "
+                         f"{mode.value.replace('_', ' ')}, which transformers runs from "
+                         f"{'the Hub repository ' + repr(method) if method else 'no method of its own'}")
+    return method, mode.value.replace("_", " ")
+
+
 def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
                       synced_gpus: bool = False, streamer=None, **model_kwargs):
     """transformers' ``custom_generate`` entry: greedy search or sampling with each decode step replayed
     from a CUDA graph over the QAttnCache passed as ``cache=`` (``past_key_values=`` before transformers
     5.24). Returns what ``generate`` returns: the sequences, or a ``GenerateDecoderOnlyOutput`` holding
-    them (and the cache) when ``return_dict_in_generate``."""
+    them (and the cache) when ``return_dict_in_generate``. Other generation modes: see the module's doc."""
+    other = _transformers_method(generation_config)
+    if other is not None:  # beams, prompt lookup: transformers' own loop over the same cache, counted
+        method, mode = other
+        record_degraded(f"captured_generate: {mode} is not greedy search or sampling", f"eager (transformers' {mode})")
+        if streamer is not None:
+            model_kwargs["streamer"] = streamer  # a method without the argument refuses it, as generate would
+        return getattr(type(model), method)(model, input_ids, logits_processor=logits_processor,
+                                            stopping_criteria=stopping_criteria, generation_config=generation_config,
+                                            synced_gpus=synced_gpus, **model_kwargs)
     keyword = cache_argument(model)
     cache = model_kwargs.get(keyword)
     reason = _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs)
