@@ -116,3 +116,16 @@ def test_a_mode_transformers_keeps_on_the_hub_is_refused(seed):
     ids = torch.randint(1, 128, (1, 11), device=DEVICE)
     with pytest.raises(ValueError, match="greedy search and sampling.*contrastive search.*Hub repository"):
         _generate(model, ids, True, max_new_tokens=3, penalty_alpha=0.6, top_k=4)
+
+
+def test_synced_gpus_is_left_to_transformers_loop(seed):
+    """With synced_gpus (DeepSpeed ZeRO-3 / FSDP) every rank must run forwards until all have finished, which
+    transformers' loop does and the replayed one does not: the call is not replayed (its reason names it)."""
+    from hf_qattn.kv_cache import generate
+
+    model = _model()
+    ids = torch.randint(1, 128, (1, 5), device=DEVICE)
+    cache = hf_qattn.QAttnCache(model)
+    assert generate._why_not_replayed(model, ids, cache, model.generation_config, {}, synced_gpus=False) is None
+    reason = generate._why_not_replayed(model, ids, cache, model.generation_config, {}, synced_gpus=True)
+    assert reason is not None and reason.startswith("synced_gpus")

@@ -18,7 +18,8 @@ eager path and ``get_seq_length`` rely on). The graph here is captured once, aro
 only changing inputs live in device memory.
 
 What it does not replay (left padding: rows at different positions; requests for scores, logits,
-attentions or hidden states; a cache that is not a QAttnCache or was filled before): it warns once
+attentions or hidden states; a cache that is not a QAttnCache or was filled before; ``synced_gpus``, whose
+ranks must all step until the last has finished): it warns once
 and runs transformers' own sampling loop on the same cache (eager qattn), counted in
 :func:`hf_qattn.fallback_stats` as ``captured_generate: <reason>``.
 
@@ -42,8 +43,11 @@ from .captured import CapturedDecodeStep, cache_argument
 _OUTPUT_REQUESTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs) -> str | None:
+def _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs, synced_gpus: bool) -> str | None:
     from .cache import QAttnCache
+
+    if synced_gpus:  # this loop stops when its own rows finish; the other ranks would wait on its forwards
+        return "synced_gpus (DeepSpeed ZeRO-3 / FSDP: every rank steps until all have finished)"
 
     if not isinstance(cache, QAttnCache):
         return f"the cache is a {type(cache).__name__}, not an hf_qattn.QAttnCache"
@@ -96,7 +100,7 @@ def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stop
                                             synced_gpus=synced_gpus, **model_kwargs)
     keyword = cache_argument(model)
     cache = model_kwargs.get(keyword)
-    reason = _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs)
+    reason = _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs, synced_gpus)
     if reason is None:
         try:
             cache.reserve(input_ids.shape[1] + _new_tokens(input_ids, generation_config))
