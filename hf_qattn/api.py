@@ -173,6 +173,9 @@ def qattn(
         split_channel = settings.split_channel()
     elif not isinstance(split_channel, bool):
         raise ValueError(f"split_channel must be True, False or None; got {split_channel!r}")
+    for name, flag in (("is_causal", is_causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):  # a string or None would be read by its truth, silently
+            raise ValueError(f"{name} must be True or False; got {flag!r}")
     b, hq, nq, d = qh.shape
     nk = kh.shape[2]
     variants = support.check_variants(window=window, chunk=chunk, sinks=sinks, softcap=softcap, is_causal=is_causal,

@@ -263,6 +263,8 @@ def test_key_ranges_equal_per_sequence_runs(seed):
     (lambda a: a.update(kv_start=torch.zeros(3, dtype=torch.int64)), "kv_start must be an int32/int64 tensor"),
     (lambda a: a.update(kv_end=torch.tensor([9, 99])), "kv_end values must lie in"),
     (lambda a: a.update(v=a["v"][:, :, :5]), "same heads and tokens"),
+    (lambda a: a.update(is_causal="yes"), "is_causal must be True or False; got 'yes'"),
+    (lambda a: a.update(return_lse=None), "return_lse must be True or False; got None"),
 ])
 def test_validation_errors(change, message):
     args = dict(q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 8, 16), v=torch.randn(2, 2, 8, 16))
