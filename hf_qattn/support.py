@@ -217,6 +217,16 @@ HOPPER_SERVES_VARIANTS: frozenset[str] = frozenset(VARIANTS)
 REASON_HOPPER_VARIANT = "the sm90 Gluon kernel does not serve this attention variant"
 
 
+def check_count(name: str, value, *, none_ok: bool = False, what: str = "") -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int ≥ 1 (or None where ``none_ok``); bools are not
+    counts. ``what``: what the count counts, for the message."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{f' ({what})' if what else ''}{' or None' if none_ok else ''}; "
+                         f"got {value!r}")
+
+
 def check_variants(*, window, chunk, sinks, softcap, is_causal: bool, heads: int, device) -> dict:
     """The variants' arguments as the kernels take them ({window, chunk, sinks, softcap}), or a ValueError that
     names the argument and what is accepted: window / chunk an int ≥ 1 on a causal call, sinks a float tensor
@@ -224,8 +234,7 @@ def check_variants(*, window, chunk, sinks, softcap, is_causal: bool, heads: int
     spans = {}
     for name, value in (("window", window), ("chunk", chunk)):
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (keys a query sees) or None; got {value!r}")
+            check_count(name, value, none_ok=True, what="keys a query sees")
             if not is_causal:
                 raise ValueError(f"{name}={value} needs is_causal=True (a query's keys end at its own position)")
             value = int(value)

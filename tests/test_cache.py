@@ -43,6 +43,23 @@ def test_layers_follow_the_plan():
         hf_qattn.QAttnCache(llama_config(), int8_layout="channels")
 
 
+@pytest.mark.parametrize("build,error,message", [
+    (lambda: hf_qattn.QAttnCache(llama_config(), static_max_len=0), ValueError,
+     r"static_max_len must be an int >= 1 \(tokens a layer holds\) or None; got 0"),
+    (lambda: hf_qattn.QAttnCache(llama_config(), static_max_len=100.5), ValueError, "static_max_len must be an int"),
+    (lambda: hf_qattn.QAttnCache(llama_config(), center_sample=0), ValueError, "center_sample must be an int >= 1"),
+    (lambda: hf_qattn.QAttnCache(llama_config(), center_sample=-1), ValueError, "center_sample must be an int >= 1"),
+    (lambda: hf_qattn.QAttnCache(None), TypeError, "model_or_config must be a transformers model or its config"),
+    (lambda: hf_qattn.QAttnCache(llama_config()).reserve(-1), ValueError, "tokens must be an int >= 1; got -1"),
+    (lambda: hf_qattn.QAttnCache(llama_config()).reserve(True), ValueError, "tokens must be an int >= 1; got True"),
+])
+def test_cache_arguments_are_checked_when_given(build, error, message):
+    """Counts the cache would divide by, slice with or allocate (a zero centers sample, a negative capacity) are
+    refused when the cache is built, naming the argument — not a ZeroDivisionError or a torch error at the fill."""
+    with pytest.raises(error, match=message):
+        build()
+
+
 def _shared_kwargs_layer_types(config):
     """transformers <= 5.17's get_layer_types_and_kwargs: one kwargs dict shared by all layers."""
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers

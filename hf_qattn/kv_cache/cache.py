@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from ..plan import PLAN_CONFIG_KEY, QAttnPlan
+from ..support import check_count
 from . import reference, step_graph
 from .attention import PackedKV, QAttnCacheError, _kernels_available, decode_launch, is_packed  # noqa: F401
 
@@ -626,10 +627,15 @@ class QAttnCache(Cache):
                  center_sample: int | None = CENTER_SAMPLE, int8_layout: str = "tokens"):
         if int8_layout not in self.INT8_LAYOUTS:
             raise ValueError(f"int8_layout must be one of {tuple(self.INT8_LAYOUTS)}; got {int8_layout!r}")
+        check_count("static_max_len", static_max_len, none_ok=True, what="tokens a layer holds")
+        check_count("center_sample", center_sample, none_ok=True, what="tokens the centers are sampled from")
         self._int8_precision = self.INT8_LAYOUTS[int8_layout]
         if get_layer_types_and_kwargs is None:
             raise ImportError("hf_qattn.QAttnCache needs transformers >= 5.0")
         config = getattr(model_or_config, "config", model_or_config)
+        if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+            raise TypeError(f"model_or_config must be a transformers model or its config; got "
+                            f"{type(model_or_config).__name__}")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types, layer_kwargs = _layer_specs(text)
         if plan is None:
@@ -669,6 +675,7 @@ class QAttnCache(Cache):
         """Static storage for ``tokens`` per layer (as ``static_max_len=tokens``; a sliding-window or chunked layer's
         ring of its span), before the first fill: what a CUDA-graph decode step needs. Every layer must be
         quantized."""
+        check_count("tokens", tokens)
         others = sorted({type(layer).__name__ for layer in self.layers if not isinstance(layer, QAttnLayer)})
         if others:
             raise QAttnCacheError(f"static storage needs every cache layer quantized; this cache also has {others} "

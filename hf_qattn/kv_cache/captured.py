@@ -29,6 +29,7 @@ import inspect
 import torch
 
 from ..stats import record_degraded
+from ..support import check_count
 from .attention import QAttnCacheError, _captured_step
 
 
@@ -72,8 +73,7 @@ class CapturedDecodeStep:
         if not _capture_device_ok(cache.layers[0].device):
             raise QAttnCacheError(f"CapturedDecodeStep replays a CUDA graph and needs the cache on a CUDA device; "
                                   f"it is on {cache.layers[0].device}")
-        if not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int ≥ 1; got {warmup!r}")
+        check_count("warmup", warmup, what="eager steps before the capture")
         first = cache.layers[0]
         self.model, self.cache, self._warmup = model, cache, warmup
         self._cache_kwargs = {cache_argument(model): cache}
