@@ -45,6 +45,7 @@ import torch
 from ... import quant
 from ...plan import PLAN_CONFIG_KEY, UNQUANTIZED, QAttnPlan, check_ratio
 from ...progress import Progress, track
+from ...support import check_count
 from ...calibration.scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .attention import layer_index
 
@@ -512,6 +513,7 @@ def calibrate(
     check_objective(objective)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+    check_count("max_length", max_length, none_ok=True, what="tokens a string input is truncated to")
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError("model must be a transformers PreTrainedModel (with .config and .set_attn_implementation)")
