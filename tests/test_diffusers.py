@@ -542,6 +542,8 @@ def test_bad_arguments_get_clear_errors(seed):
         hf_qattn.patch(pipe, plan={"version": 1, "default": "int2"})
     with pytest.raises(FileNotFoundError, match="plan"):
         hf_qattn.patch(pipe, plan="/nonexistent/plan.json")
+    with pytest.raises(FileNotFoundError, match="plan must be one of 'int4', 'int8', 'unquantized'.*'int3' is no"):
+        hf_qattn.patch(pipe, plan="int3")  # a mistyped precision is named as one
     assert integration._patched_models.get(pipe.transformer) is None  # failed patches left nothing behind
     assert all(not m._forward_pre_hooks for m in pipe.transformer.modules())
     with hf_qattn.patch(pipe):

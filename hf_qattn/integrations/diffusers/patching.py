@@ -179,6 +179,10 @@ def _resolve_plan(plan, model: torch.nn.Module, num_layers: int) -> QAttnPlan:
         plan = stored_plan(model) or QAttnPlan(default=DEFAULT_PRECISION)
     elif isinstance(plan, os.PathLike) or (isinstance(plan, str) and plan not in PRECISIONS
                                            and plan not in LEGACY_SPELLINGS):
+        if isinstance(plan, str) and not os.path.exists(plan):  # a mistyped precision, or a missing file
+            raise FileNotFoundError(f"plan must be one of {', '.join(map(repr, PRECISIONS))}, a QAttnPlan, a plan "
+                                    f"dict or a path to a plan JSON / config.json; {plan!r} is no precision and "
+                                    "no such file")
         plan = load_plan(plan)
     return QAttnPlan.resolve(plan, num_layers=num_layers)
 
