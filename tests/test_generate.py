@@ -129,3 +129,21 @@ def test_synced_gpus_is_left_to_transformers_loop(seed):
     assert generate._why_not_replayed(model, ids, cache, model.generation_config, {}, synced_gpus=False) is None
     reason = generate._why_not_replayed(model, ids, cache, model.generation_config, {}, synced_gpus=True)
     assert reason is not None and reason.startswith("synced_gpus")
+
+
+def test_zero3_over_several_ranks_counts_as_synced_gpus(monkeypatch):
+    """generate hands a callable custom_generate no synced_gpus: captured_generate decides it as generate does —
+    DeepSpeed ZeRO-3 (or FSDP) over more than one process — and not for one process or without ZeRO-3."""
+    from transformers.integrations import deepspeed
+
+    from hf_qattn.kv_cache import generate
+
+    model = _model()
+    assert generate._synced_gpus(model, True) and not generate._synced_gpus(model, False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
+    assert not generate._synced_gpus(model, False)  # two ranks, neither ZeRO-3 nor FSDP: nothing to wait for
+    monkeypatch.setattr(deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    assert generate._synced_gpus(model, False)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 1)
+    assert not generate._synced_gpus(model, False)  # one rank: no other rank waits

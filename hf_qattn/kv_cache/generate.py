@@ -28,6 +28,11 @@ whatever its generation mode (beams expanded into the batch): beam search and pr
 transformers' own method for them, counted likewise; a mode transformers keeps in a Hub repository
 (contrastive search, DoLa, group or constrained beam search) is a ``ValueError`` — never greedy tokens in its
 place.
+
+transformers' generate (5.17–5.24) hands a callable ``custom_generate`` neither its ``streamer`` nor its
+``synced_gpus``: a streamer given to ``generate`` receives the prompt and nothing after it (stream from a loop
+around :class:`~hf_qattn.CapturedDecodeStep` instead); DeepSpeed ZeRO-3 / FSDP is detected here as generate
+detects it.
 """
 
 from __future__ import annotations
@@ -64,6 +69,24 @@ def _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs, 
     return None
 
 
+def _synced_gpus(model, synced_gpus: bool) -> bool:
+    """Whether every rank must run forwards until all have finished: ``synced_gpus``, or as transformers' generate
+    decides it (DeepSpeed ZeRO-3 or FSDP over more than one process), since generate hands a callable
+    ``custom_generate`` neither its ``synced_gpus`` nor its ``streamer`` (transformers 5.17–5.24: only the
+    function's own extra arguments)."""
+    if synced_gpus:
+        return True
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1):
+        return False
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    try:
+        from transformers.distributed.fsdp import is_fsdp_managed_module
+    except ImportError:  # another transformers layout: ZeRO-3 alone is checked
+        return is_deepspeed_zero3_enabled()
+    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
+
+
 def _transformers_method(generation_config):
     """transformers' own decoding method for the call's generation mode when it is neither greedy search nor
     sampling: (its name, the mode), or None for the two modes replayed here. A mode whose method transformers
@@ -89,15 +112,18 @@ def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stop
     from a CUDA graph over the QAttnCache passed as ``cache=`` (``past_key_values=`` before transformers
     5.24). Returns what ``generate`` returns: the sequences, or a ``GenerateDecoderOnlyOutput`` holding
     them (and the cache) when ``return_dict_in_generate``. Other generation modes: see the module's doc."""
+    synced_gpus = _synced_gpus(model, synced_gpus)
     other = _transformers_method(generation_config)
     if other is not None:  # beams, prompt lookup: transformers' own loop over the same cache, counted
         method, mode = other
-        record_degraded(f"captured_generate: {mode} is not greedy search or sampling", f"eager (transformers' {mode})")
+        run = getattr(type(model), method)
         if streamer is not None:
-            model_kwargs["streamer"] = streamer  # a method without the argument refuses it, as generate would
-        return getattr(type(model), method)(model, input_ids, logits_processor=logits_processor,
-                                            stopping_criteria=stopping_criteria, generation_config=generation_config,
-                                            synced_gpus=synced_gpus, **model_kwargs)
+            if "streamer" not in inspect.signature(run).parameters:
+                raise ValueError(f"streamer cannot be used with {mode} (transformers' generate refuses it too)")
+            model_kwargs["streamer"] = streamer
+        record_degraded(f"captured_generate: {mode} is not greedy search or sampling", f"eager (transformers' {mode})")
+        return run(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                   generation_config=generation_config, synced_gpus=synced_gpus, **model_kwargs)
     keyword = cache_argument(model)
     cache = model_kwargs.get(keyword)
     reason = _why_not_replayed(model, input_ids, cache, generation_config, model_kwargs, synced_gpus)
@@ -115,8 +141,6 @@ def captured_generate(model, input_ids: torch.LongTensor, logits_processor, stop
     pad = generation_config._pad_token_tensor
     has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
     prefill = {keyword: cache}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         prefill["logits_to_keep"] = 1  # the prompt's last position only (a 16k prompt's logits are gigabytes)
