@@ -334,6 +334,11 @@ def test_steps_follow_timestep_argument_without_scheduler(seed):
         assert (handle.step, handle.total_steps) == (5, 10)
         with pytest.raises(ValueError, match="step"):
             handle.set_step(-1)
+        with pytest.raises(ValueError, match="step must be below total_steps.*got step 10 of 10"):
+            handle.set_step(10, total_steps=10)  # steps count from 0: past the plan's last step
+        with pytest.raises(ValueError, match="step must be a non-negative int; got True"):
+            handle.set_step(True)
+        assert (handle.step, handle.total_steps) == (5, 10)  # refused calls changed nothing
 
 
 def test_swapped_scheduler_and_scheduler_copies(seed, monkeypatch):

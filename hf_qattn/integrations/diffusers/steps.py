@@ -86,10 +86,13 @@ class DenoisingStepTracker:
 
     def set_step(self, step: int, total_steps: int | None = None) -> None:
         """Set the step by hand (custom loops); scheduler events still move it afterwards."""
-        if not isinstance(step, int) or step < 0:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int; got {step!r}")
-        if total_steps is not None and (not isinstance(total_steps, int) or total_steps <= 0):
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps <= 0):
             raise ValueError(f"total_steps must be a positive int or None; got {total_steps!r}")
+        if total_steps is not None and step >= total_steps:  # the plan would map it past its last step
+            raise ValueError(f"step must be below total_steps (steps count from 0); got step {step} of {total_steps}")
         with self._lock:
             self.step, self.total_steps, self.source = step, total_steps, "manual"
 
