@@ -147,3 +147,27 @@ def test_zero3_over_several_ranks_counts_as_synced_gpus(monkeypatch):
     assert generate._synced_gpus(model, False)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 1)
     assert not generate._synced_gpus(model, False)  # one rank: no other rank waits
+
+
+def test_generate_hands_captured_generate_no_streamer(seed):
+    """transformers' generate hands a callable custom_generate no streamer (README, Limits): its streamer gets the
+    prompt from generate and nothing after. If a transformers release starts passing it, this fails, and the README
+    line goes (captured_generate streams each new token it is given a streamer for, as transformers' _sample)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    model = _model()
+    ids = torch.randint(1, 128, (1, 7), device=DEVICE)
+    streamer = Recorder()
+    out = _generate(model, ids, True, max_new_tokens=3, min_new_tokens=3, do_sample=False, streamer=streamer)
+    assert out.shape == (1, 10)
+    assert streamer.puts == [ids.cpu().tolist()] and not streamer.ended
