@@ -131,7 +131,7 @@ def test_calibrated_model_runs_its_plan(tiny_model, monkeypatch):
     ([{"input_ids": torch.zeros(1, 2, dtype=torch.long)}, "x"], {}, "all strings or all tokenized"),
     (torch.randn(2, 3), {}, "input_ids"),
     (None, {"ratio": 1.5}, "ratio must be a number in"),
-    (None, {"batch_size": 0}, "batch_size must be a positive integer"),
+    (None, {"batch_size": 0}, "batch_size must be an int >= 1; got 0"),
     (None, {"max_length": 0}, "max_length must be an int >= 1"),
 ])
 def test_bad_arguments_name_what_is_accepted(inputs, kwargs, message, tiny_model):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...plan import QAttnPlan, check_ratio
+from ...support import check_count
 from ...calibration.scoring import CALIBRATION_QK, CalibrationOutcome, Score, ScoreSums, attention_accuracy, describe
 from .patching import _start_patch, store_plan
 
@@ -136,8 +137,7 @@ def calibrate_pipeline(
     step × layer heatmap.
     """
     check_ratio(ratio, "(step, layer) entries")
-    if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be a positive integer; got {num_inference_steps!r}")
+    check_count("num_inference_steps", num_inference_steps)
     if not callable(pipe) or not isinstance(getattr(pipe, "components", None), Mapping):
         raise TypeError(f"pipe must be a diffusers pipeline; got {type(pipe).__name__}")
     calls = _prompt_calls(prompts)

@@ -27,6 +27,9 @@ import inspect
 import threading
 import weakref
 
+from ...support import check_count
+
+
 class DenoisingStepTracker:
     """The current denoising step and, when known, the total of the current run."""
 
@@ -88,9 +91,7 @@ class DenoisingStepTracker:
         """Set the step by hand (custom loops); scheduler events still move it afterwards."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int; got {step!r}")
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                        or total_steps <= 0):
-            raise ValueError(f"total_steps must be a positive int or None; got {total_steps!r}")
+        check_count("total_steps", total_steps, none_ok=True, what="denoising steps of the run")
         if total_steps is not None and step >= total_steps:  # the plan would map it past its last step
             raise ValueError(f"step must be below total_steps (steps count from 0); got step {step} of {total_steps}")
         with self._lock:

@@ -511,8 +511,7 @@ def calibrate(
     """
     check_ratio(ratio, "layers")
     check_objective(objective)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+    check_count("batch_size", batch_size)
     check_count("max_length", max_length, none_ok=True, what="tokens a string input is truncated to")
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
