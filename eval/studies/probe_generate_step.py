@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -34,6 +35,9 @@ import transformers as tf
 
 import hf_qattn
 from hf_qattn.kv_cache.captured import cache_argument
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # eval/: shared helpers
+from timing import events_ms  # noqa: E402
 
 CACHE_KW = cache_argument(tf.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
 
@@ -220,18 +224,6 @@ def layers(model, prompt: int, rounds: int = 3, steps: int = 48):
             cls.update = fn
 
 
-def _replay_ms(replay, steps: int = 32) -> float:
-    """Wall ms a call of ``replay`` run ``steps`` times back to back (GPU-bound: a replay's host time is µs)."""
-    for _ in range(3):
-        replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps
-
-
 @torch.no_grad()
 def captured(model, prompt: int, formats=("int8", "int4", "int8g"), steps: int = 32):
     """GPU ms of a replayed decode step by cache format against the floor of the model's step (no cache, one
@@ -245,7 +237,7 @@ def captured(model, prompt: int, formats=("int8", "int4", "int8g"), steps: int =
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    floor = _replay_ms(graph.replay, steps)
+    floor = events_ms(graph.replay, calls=steps, warmup=3)
     print(f"== captured L={prompt}: floor (the step without a cache, one key, one graph) {floor:.3f} ms", flush=True)
     del graph
     model.set_attn_implementation("qattn")
@@ -258,7 +250,7 @@ def captured(model, prompt: int, formats=("int8", "int4", "int8g"), steps: int =
         step = hf_qattn.CapturedDecodeStep(model, cache)
         for _ in range(3):  # eager warm-up, capture, one replay
             token = step(token)[:, -1:].argmax(-1)
-        replayed = _replay_ms(step._graph.replay, steps)
+        replayed = events_ms(step._graph.replay, calls=steps, warmup=3)
         unfinished = torch.ones(1, dtype=torch.long, device=model.device)
 
         def loop_step():
@@ -267,7 +259,7 @@ def captured(model, prompt: int, formats=("int8", "int4", "int8g"), steps: int =
             token = logits.to(torch.float32, copy=True).argmax(-1, keepdim=True)
             bool((unfinished & (token[:, 0] != -1)).any())  # the loop's stop test: one sync a token
 
-        looped = _replay_ms(loop_step, steps)
+        looped = events_ms(loop_step, calls=steps, warmup=3)  # CUDA events: the host's waits included
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step._graph.replay()
@@ -338,8 +330,6 @@ def startup(model, prompt: int, counts=(1, 2, 3, 17, 65, 257), profile: bool = T
 
 
 def main():
-    import sys
-
     if len(sys.argv) > 1 and sys.argv[1] in ("alternate", "layers", "captured", "startup"):
         model = build()
         run = {"alternate": alternate, "layers": layers, "captured": captured, "startup": startup}[sys.argv[1]]
