@@ -31,6 +31,7 @@ import torch
 from ..stats import record_degraded
 from ..support import check_count
 from .attention import QAttnCacheError, _captured_step
+from .step_graph import record
 
 
 def cache_argument(model) -> str:
@@ -146,13 +147,13 @@ class CapturedDecodeStep:
         if self._graph is None:
             if self._ids.device.type != "cuda":
                 raise QAttnCacheError(f"CUDA graphs need a CUDA device; the cache is on {self._ids.device}")
-            graph = torch.cuda.CUDAGraph()
             counts = [layer.get_seq_length() for layer in layers]
-            try:
-                with torch.cuda.graph(graph):
-                    self._logits = self._forward()  # host state (the layers' lengths) advances here, once
+            logits = []
+            try:  # host state (the layers' lengths) advances here, once
+                graph = record(lambda: logits.append(self._forward()))
             except RuntimeError as error:  # the model's own step cannot be captured (a host copy in its MoE, say)
                 return self._run_eagerly_after(error, counts)
+            self._logits = logits[0]
             graph.replay()
             self._graph = graph
             return self._logits

@@ -80,7 +80,7 @@ class _StepGraph:
             layer.append_pending(self.k, self.v)
             decode(self.q, self.out)
 
-        self._run = _record(step).replay if query.is_cuda else step  # the CPU tests: the step, run as it is
+        self._run = record(step).replay if query.is_cuda else step  # the CPU tests: the step, run as it is
 
     def held(self) -> bool:
         """Whether the output handed out last (or a view of it) is still alive: replaying would overwrite it."""
@@ -107,11 +107,12 @@ def _uses(storage: StorageWeakRef) -> int:
     return _STORAGE_USES(storage.cdata)
 
 
-def _record(step) -> torch.cuda.CUDAGraph:
-    """``step`` recorded as a CUDA graph (nothing runs), on a side stream of the current device. Not through
-    ``torch.cuda.graph``: that synchronises the device and empties the allocator's cache first, which in the middle
-    of a generation (a graph is re-recorded whenever a layer's storage grows) hands every cached block back to the
-    driver, and the model's next allocations wait for new ones."""
+def record(step) -> torch.cuda.CUDAGraph:
+    """``step`` recorded as a CUDA graph (nothing runs), on a side stream of the current device — a layer's step
+    here, a whole model's in :class:`~hf_qattn.CapturedDecodeStep`. Not through ``torch.cuda.graph``: that
+    synchronises the device and empties the allocator's cache first, which in the middle of a generation (a graph
+    is re-recorded whenever a layer's storage grows, a model's step at every ``captured_generate`` call) hands every
+    cached block back to the driver, and the model's next allocations wait for new ones."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
     side = _capture_stream(current.device)
