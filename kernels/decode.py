@@ -718,21 +718,24 @@ def decode_kernel(
     else:
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # whole tiles, a partial one, and (grouped formats) the incomplete group's rows: at most one tile, in the split
-    # that reaches it; the three differ only in the last two switches, MASK_N and RECENT
+    # that reaches it; the three differ only in the last two switches, MASK_N and RECENT. Only the first loop is
+    # software-pipelined: the other two run at most one tile each, and their stage buffers (the recent rows in the
+    # model's floats) would set the program's shared memory and so the programs an SM holds (INT4 d128 bf16:
+    # 68 KB and three programs pipelined, 42 KB and five not)
     for start in range(lo, hi_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
             v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
             shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
             HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, False, False, KEYS_AS_ROWS)
-    for start in range(hi_full, hi_packed, BLOCK_N):
+    for start in tl.range(hi_full, hi_packed, BLOCK_N, num_stages=1):
         acc, m_i, l_i = _attend_tile(
             q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS, s_base,
             v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn, score_coef,
             shift, softcap2, window, chunk_size, ring, ring_lo, ring_count, HEAD_DIM, D_PAD, BLOCK_N, INT4, G8, CAUSAL,
             HAS_KV_RANGE, INTERPRET, SOFTCAP, WINDOW, CHUNK, RING, V_STAGED, True, False, KEYS_AS_ROWS)
     if GROUPED:
-        for start in range(tl.maximum(lo, packed_hi), hi, BLOCK_N):
+        for start in tl.range(tl.maximum(lo, packed_hi), hi, BLOCK_N, num_stages=1):
             acc, m_i, l_i = _attend_tile(
                 q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                 s_base, v_base, g_base, r_base, vg_base, vr_base, packed_hi, stride_kn, stride_vn, stride_gg, stride_rn,

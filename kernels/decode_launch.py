@@ -102,8 +102,11 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   instructions 3,036 → 1,321, offline): B8 64k 313 µs against 456 with four warps capped at 168 (−31 %), B1 128k
 #   −26 %; at d64 two warps (BY_HEAD_DIM: a format's launch for one padded head dim): −42 % against −25 % with one
 #   (decode-warps-NVIDIA-H200-2026-11-28.md section 7), capped at the 128 registers they take anyway, so that the
-#   plan counts the six programs an SM holds (by shared memory), not four (255 registers a thread, uncapped).
-#   Two stages (more programs an SM by shared memory): INT8 +4 % at B8 64k, INT4 +7 % (section 7).
+#   plan counts the six programs an SM holds (by shared memory), not four (255 registers a thread, uncapped);
+#   int8g at d64 capped at 168 for the same reason (it takes 156–164).
+#   Two stages (more programs an SM by shared memory): INT8 +4 % at B8 64k, INT4 +7 % (section 7). INT4 at d128
+#   four (BY_HEAD_DIM; four programs an SM, three tiles in flight each): −8 to −10 % at B8 64k / 128k against
+#   three; five lose, and so do four for INT8 (+2 to +7 %) and for INT4 at d64 (section 8).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
@@ -122,8 +125,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
 #   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; INT8's 16-row tile takes
 #   54,272 bytes there, four programs too); not listed: registers only. The INT4 and int8g recent-token
-#   tiles are kept in the model's floats, so a float32 model's programs take more (int8g d128: 137 KB, one an SM;
-#   16-bit: 52 KB, four); INT8 has no such tile.
+#   tiles are kept in the model's floats, so a float32 model's INT4 programs take more (d128: 59.6 KB, three an
+#   SM; 16-bit: 55.5 KB, four); INT8 has no such tile. (The decode kernel does not pipeline that tile's loop: its
+#   stage buffers set INT4's bytes, 68 KB, and int8g's float32 ones, 137 KB, before; section 8.)
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).
 # APPEND_BLOCK_T: tokens an append program quantizes (16, the smallest tile, for a decode step's few tokens).
 
