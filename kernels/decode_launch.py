@@ -90,7 +90,7 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   launch of 2.06 rounds runs a third round for 6 % of its programs (B8 Hk8: 17 splits, 1,088 programs of 4 an
 #   SM; 892.6 µs a step at 128k against 736.1 with 8 splits, one round; H200, decode-splits-*-2026-11-28.md).
 # MIN_SPLIT_TILES: key tiles a split reads at least (unless fewer fill the SMs): a short split is mostly merge work.
-# MAX_SPLITS: the last split program merges splits one by one, a tail that grows with them
+# MAX_SPLITS: the last split program merges the splits (four a step, kernels/decode.py), a tail that grows with them
 #   (decode-NVIDIA-H100-80GB-HBM3-2026-11-23-waves8.md); INT8's and int8g's launches set 64 for their one- and
 #   two-warp programs (B1 128k INT8 on an H200: 108.8 µs a step with 64 splits, 142.0 with 32;
 #   decode-warps-NVIDIA-H200-2026-11-28.md).

@@ -443,8 +443,8 @@ def test_a_non_finite_token_reaches_attention_as_nan(seed, precision, where, bad
 MUTATIONS = {
     "causal diagonal top-left": ("diag = NK - NQ", "diag = NK * 0"),
     "v̄ dropped": ("acc / tl.where(seen, l_i, 1.0)[:, None] + v_bar[None, :]", "acc / tl.where(seen, l_i, 1.0)[:, None]"),
-    "splits merged unweighted": ("a_t = tl.math.exp2(m_t - m_use)", "a_t = tl.where(row_ok, 1.0, 0.0)"),
-    "split merge skips a split": ("for t in range(0, NUM_SPLITS):", "for t in range(1, NUM_SPLITS):"),
+    "splits merged unweighted": ("a_t = tl.math.exp2(m_t - m_use[None, :])", "a_t = tl.where(ok, 1.0, 0.0)"),
+    "split merge skips a split": ("for t0 in range(0, NUM_SPLITS, MERGE):", "for t0 in range(1, NUM_SPLITS, MERGE):"),
     "int4 row term dropped": ("qk = qk + _per_query(row, KEYS_AS_ROWS)",
                               "qk = qk + 0.0 * _per_query(row, KEYS_AS_ROWS)"),
     # the interpreter's fp32 path, or the GPU's nibble → bf16 bit trick (the high nibble with the next byte's low one)
