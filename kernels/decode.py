@@ -765,9 +765,9 @@ def decode_kernel(
             m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_run = tl.zeros([BLOCK_M], tl.float32)
             o_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-            # MERGE splits a step, their loads issued together: one at a time, each step waited for its own
-            # loads from L2 (the merge is the launch's tail: 64 splits at B1 128k). A split past NUM_SPLITS
-            # reads as (−inf, 0, 0), which weighs nothing
+            # MERGE splits a step, their loads issued together: a split a step would wait on L2 once per split,
+            # and the merge is the launch's tail (64 splits at B1 128k). A split past NUM_SPLITS reads as
+            # (−inf, 0, 0), which weighs nothing
             MERGE: tl.constexpr = max(1, min(4, 4096 // (BLOCK_M * D_PAD)))
             ts = tl.arange(0, MERGE)
             for t0 in range(0, NUM_SPLITS, MERGE):
