@@ -234,7 +234,6 @@ def append_kernel(
     row_ok = rows < N
     s_off = b * stride_sb + hk * stride_sh + slots
     c = tl.arange(0, D_PAD)
-    ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
     if not GROUPED:
         _append_tokens(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn, K_BAR, K_EQ,
                        KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn, KS + s_off, bh, c, row_ok,
