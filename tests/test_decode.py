@@ -92,6 +92,7 @@ CASES = [
     (1, 8, 2, 1, 200, 64, torch.bfloat16, "int8g", True, 3),     # 8-bit K and V groups: 3 groups, 8 recent, splits
     (2, 4, 4, 3, 70, 128, torch.float16, "int8g", False, None),  # d128, a group and 6 recent tokens, 3 queries
     (2, 4, 1, 7, 61, 40, torch.float32, "int8g", True, 2),       # head dim padded, only recent tokens
+    (1, 8, 2, 1, 150, 64, torch.bfloat16, "int8", True, 6),      # five splits of ten tiles: the merge, 4 a step, twice
 ]
 
 
