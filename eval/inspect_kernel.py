@@ -80,7 +80,7 @@ def compile_decode(arch, precision, d, groups, nq, model_dtype="bf16", warps=Non
     grouped, g8 = precision in ("int4", "int8g"), precision == "int8g"
     floats = f"*{model_dtype}"
     pointers = {"Q": floats, "KQ": "*u8" if g8 else "*i8", "KS": "*bf16" if grouped else "*fp32",
-                "VQ": "*u8" if g8 else "*i8", "VS": "*bf16" if g8 else "*fp32", "KR": floats, "VR": floats,
+                "VQ": "*u8", "VS": "*bf16" if g8 else "*fp32", "KR": floats, "VR": floats,
                 "V_BAR": "*fp32", "K_EQ": "*bf16", "V_EQ": "*bf16", "O": floats, "PART_O": "*fp32",
                 "PART_M": "*fp32", "PART_L": "*fp32", "COUNTER": "*i32"}
     constexprs = {"KV_START": None, "KV_END": None, "LEN": None, "K_BAR": None, "SINKS": None, "stride_qd": 1,

@@ -10,7 +10,7 @@ Storage of one cache layer (B batch, Hk key/value heads, CAP token slots, D head
          bf16 (B, Hk, CAP/G, 2, D)   INT4, G8: per (group of G = KV_GROUP slots, channel) scale and zero,
                                      K − k̄ ≈ zero + u · scale
     kr   (B, Hk, G, D)               INT4, G8: K − k̄ of the incomplete group's tokens, in the model's dtype
-    vq   int8 (B, Hk, CAP, D)        (V − v̄) / σ_V over δV, as INT8 K, or G8: uint8 u as K's
+    vq   uint8 (B, Hk, CAP, D)       (V − v̄) / σ_V over δV, as INT8 K, plus 128 (offset binary), or G8: u as K's
     vs   fp32 (B, Hk, CAP)           δV per token, or G8: as K's
     vr   (B, Hk, G, D)               G8: V − v̄ of the incomplete group's tokens
     k̄, v̄ fp32 (B·Hk, D)              centers, fixed when the layer is first filled
@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from .common import (G8_DIRECTED, G8_DITHERED, G8_LEVELS, INT4_DIRECTED, INT4_DITHERED, INT4_LEVELS, KV_GROUP,
-                     SCALE_FLOOR, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, to_bf16,
+                     SCALE_FLOOR, V_OFFSET, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, to_bf16,
                      to_bf16_toward)
 
 
@@ -156,16 +156,20 @@ def _append_group8(X_rows, BAR, Q_rows, G_group, R, bh, rows, new_ok, complete, 
 
 @triton.jit
 def _append_tokens(X_rows, BAR, EQ, Q_rows, S_rows, bh, c, row_ok, stride_xd, HEAD_DIM: tl.constexpr,
-                   GRID_ROUND: tl.constexpr):
+                   GRID_ROUND: tl.constexpr, OFFSET: tl.constexpr):
     """Per-token INT8 (K or V) of rows of new tokens: x − x̄ over the channels' equalizers σ, then over the token's
-    scale (its largest |value| / 127), as ``reference.quantize_tokens``."""
+    scale (its largest |value| / 127), as ``reference.quantize_tokens``; stored plus OFFSET (V: 128, offset binary
+    in a uint8, ``reference.V_OFFSET``)."""
     ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
     x = tl.load(X_rows + c[None, :] * stride_xd, mask=ok, other=0.0).to(tl.float32)
     bar = tl.load(BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
     inv_eq = reciprocal(tl.load(EQ + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=1.0).to(tl.float32))
     x = tl.where(ok, (x - bar[None, :]) * inv_eq[None, :], 0.0)
     scale = _nan_unless_finite(tl.maximum(tl.max(tl.abs(x), axis=1), SCALE_FLOOR) / 127.0, x, 1)
-    tl.store(Q_rows + c[None, :], quantize_symmetric(x, scale[:, None], 127.0, GRID_ROUND), mask=ok)
+    values = quantize_symmetric(x, scale[:, None], 127.0, GRID_ROUND)
+    if OFFSET != 0:
+        values = (values.to(tl.int32) + OFFSET).to(Q_rows.dtype.element_ty)
+    tl.store(Q_rows + c[None, :], values, mask=ok)
     tl.store(S_rows, scale, mask=row_ok)
 
 
@@ -237,11 +241,11 @@ def append_kernel(
     if not GROUPED:
         _append_tokens(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn, K_BAR, K_EQ,
                        KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn, KS + s_off, bh, c, row_ok,
-                       stride_kd, HEAD_DIM, GRID_ROUND)
+                       stride_kd, HEAD_DIM, GRID_ROUND, 0)
     if not G8:
         _append_tokens(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn, V_BAR, V_EQ,
                        VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn, VS + s_off, bh, c, row_ok,
-                       stride_vd, HEAD_DIM, GRID_ROUND)
+                       stride_vd, HEAD_DIM, GRID_ROUND, V_OFFSET)
 
 
 @triton.jit
@@ -287,16 +291,6 @@ def _bf16_128_plus_nibble(packed, SHIFT: tl.constexpr):
                                         "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342;}",
                                         "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
     return out
-
-
-@triton.jit
-def _fp16_1152_plus(x, STAGED: tl.constexpr):
-    """1152 + x in fp16 for int8 x (exact): x + 128 is x with its top bit flipped (one ``xor`` for four values), then
-    as :func:`_fp16_1024_plus` (and STAGED as there). ``cvt`` from int8 to fp16 runs on the quarter-rate unit that
-    the softmax's exp2 also needs (14 % slower decode steps, H200)."""
-    return tl.inline_asm_elementwise("{.reg .b32 t; xor.b32 t, $2, 0x80808080; prmt.b32 $0, t, 0x64646464, 0x4140; "
-                                     "prmt.b32 $1, t, 0x64646464, 0x4342;}",
-                                     "=r,=r,r", [x], dtype=tl.float16, is_pure=not STAGED, pack=4)
 
 
 @triton.jit
@@ -508,8 +502,9 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         dither = _per_key_or_channel(group_dither(tl.arange(0, BLOCK_N)), KEYS_AS_ROWS)
         p_sum, p_phi = tl.split(tl.sum(tl.join(p_w.to(tl.float32), p_w.to(tl.float32) * dither), axis=KEY_AXIS))
     elif not G8:
-        # per-token V: P times each token's largest |V̂| (δV · 127, fp16's normal range), as the dot takes it; V̂ as
-        # 1152 + V̂ (_fp16_1152_plus), so 1152 · Σ of these weights comes off the dot; with ΣP, one reduction
+        # per-token V: P times each token's largest |V̂| (δV · 127, fp16's normal range), as the dot takes it; V̂
+        # stored as u = V̂ + 128 and read as 1024 + u (_fp16_1024_plus), so 1152 · Σ of these weights comes off the
+        # dot; with ΣP, one reduction
         p_w = (p * _per_key_or_channel(v_scale * 127.0, KEYS_AS_ROWS)).to(tl.float16)
         if INTERPRET:
             p_sum = tl.sum(p, axis=KEY_AXIS)
@@ -547,10 +542,10 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
                        EVEN_D)
         if INTERPRET:
-            pv = _weighted(p_w.to(tl.float32), v.to(tl.float32), KEYS_AS_ROWS)
-        else:
-            pv = (_weighted(p_w, _fp16_1152_plus(v, V_STAGED), KEYS_AS_ROWS)
-                  - 1152.0 * _per_query(p_w_sum, KEYS_AS_ROWS))
+            pv = _weighted(p_w.to(tl.float32), v.to(tl.float32) - V_OFFSET, KEYS_AS_ROWS)
+        else:  # (see p_w above)
+            pv = (_weighted(p_w, _fp16_1024_plus(v, V_STAGED), KEYS_AS_ROWS)
+                  - (1024.0 + V_OFFSET) * _per_query(p_w_sum, KEYS_AS_ROWS))
     acc = acc * _per_query(alpha, KEYS_AS_ROWS) + pv
     return acc, m_new, l_i
 

@@ -75,6 +75,10 @@ KV_GROUP_DITHER_STRIDE = 41  # odd, so r ↦ 41·r mod 64 is a permutation; 41/6
 # tokens (too few to show a channel's range: three random tokens can put σ_c at a tenth of what follows) leaves σ = 1.
 KV_EQ_FLOOR = 1.0 / 64
 KV_EQ_MIN_TOKENS = 16
+# Per-token V is stored offset binary, V̂ + 128 in a uint8 (K stays two's complement: the INT8 dot takes it as it is).
+# The decode kernel's tile turns a byte u into the fp16 1024 + u with one byte permute a pair (kernels/decode.py
+# _fp16_1024_plus); a signed byte took an xor of four first, 64 of a d128 tile's 892 instructions a warp (INT8 K).
+KV_V_OFFSET = 128
 
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30

@@ -49,7 +49,7 @@ def fill(k, v, precision, capacity=None):
         kv_reference.set_equalizers(buf, k, v, k_bar, v_bar)
     buf.kq.fill_(99)  # garbage past the tokens
     buf.ks.fill_(1e6)
-    buf.vq.fill_(200 if buf.vq.dtype == torch.uint8 else 99)
+    buf.vq.fill_(200)  # uint8 in every format
     buf.vs.fill_(1e6)
     for recent in (buf.k_recent, buf.v_recent):
         if recent is not None:
@@ -391,7 +391,7 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
             assert (values[:, :, whole:] == (99 if name == "k" else 200)).all()  # slots past them untouched
         else:  # per token, bit for bit
             assert torch.equal(values[:, :, :n], want_values[:, :, :n]) and torch.equal(scales[:, :, :n], want_scales[:, :, :n])
-            assert (values[:, :, n:] == 99).all()
+            assert (values[:, :, n:] == (99 if name == "k" else 200)).all()
             assert torch.equal(getattr(buf, name + "_eq"), getattr(ref, name + "_eq"))
     # the storage decodes back to the inputs within the format's resolution: half a grid step (the recent rows
     # exact to their dtype's rounding)
@@ -467,7 +467,9 @@ MUTATIONS = {
     "per-token V's 127 dropped": ("_per_key_or_channel(v_scale * 127.0, KEYS_AS_ROWS)",
                                   "_per_key_or_channel(v_scale, KEYS_AS_ROWS)"),
     "per-token K: q's two parts joined wrong (GPU)": ("k_t, out_dtype=tl.int32) * 254,", "k_t, out_dtype=tl.int32),"),
-    "per-token V's fp16 offset wrong (GPU)": ("- 1152.0 * _per_query(p_w_sum", "- 1100.0 * _per_query(p_w_sum"),
+    "per-token V's fp16 offset wrong (GPU)": ("- (1024.0 + V_OFFSET) * _per_query(p_w_sum",
+                                              "- (1000.0 + V_OFFSET) * _per_query(p_w_sum"),
+    "per-token V's storage offset kept": ("v.to(tl.float32) - V_OFFSET", "v.to(tl.float32)"),
     "keys as rows: q's two parts joined wrong (GPU)": ("q_unit, out_dtype=tl.int32) * 254,",
                                                        "q_unit, out_dtype=tl.int32),"),
 }

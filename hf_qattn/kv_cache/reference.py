@@ -4,8 +4,8 @@ Storage of one layer (:class:`Buffers`, see also ``kernels/decode.py``), B batch
 precision:
 
 - ``int8``: K − k̄ equalized, (K − k̄) / σ_K, in ``kq`` (B, H, CAP, D) int8 over ``ks`` (B, H, CAP) fp32 δK per token
-  (its largest |value| / 127), σ_K in ``k_eq`` (B, H, D) bf16; V − v̄ likewise: ``vq`` int8, ``vs`` δV per token,
-  ``v_eq`` σ_V. K − k̄ ≈ σ_K ⊙ δK · kq. σ (``formats.KV_EQ_FLOOR``: each channel's largest |value| over the first
+  (its largest |value| / 127), σ_K in ``k_eq`` (B, H, D) bf16; V − v̄ likewise, stored offset binary: ``vq`` uint8
+  V̂ + 128 (``V_OFFSET``), ``vs`` δV per token, ``v_eq`` σ_V. K − k̄ ≈ σ_K ⊙ δK · kq. σ (``formats.KV_EQ_FLOOR``: each channel's largest |value| over the first
   fill, floored) is set by :func:`set_equalizers` when the layer is first filled, 1 until then;
 - ``int4``: K per channel over groups of ``GROUP`` consecutive slots (KIVI's layout): ``kq`` (B, H, CAP, D_PAD/2)
   holds u ∈ [0, 15] two a byte (channel c in the low nibble, c + D_PAD/2 in the high one), ``ks``
@@ -32,7 +32,8 @@ import torch
 
 from ..masks import visible_keys
 from ..kernels.formats import (INT_MAX, KV_EQ_FLOOR, KV_EQ_MIN_TOKENS, KV_GROUP as GROUP, KV_GROUP_DIRECTED,
-                               KV_GROUP_DITHER_STRIDE, KV_GROUP_DITHERED, KV_GROUP_LEVELS, padded_head_dim)
+                               KV_GROUP_DITHER_STRIDE, KV_GROUP_DITHERED, KV_GROUP_LEVELS, KV_V_OFFSET as V_OFFSET,
+                               padded_head_dim)
 from ..quant import SCALE_FLOOR, reciprocal
 
 PRECISIONS = ("int8", "int4", "int8g")
@@ -81,8 +82,8 @@ def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: st
                 torch.zeros(b, h, capacity // GROUP, 2, d, device=device, dtype=torch.bfloat16),
                 torch.zeros(b, h, GROUP, d, device=device, dtype=recent_dtype))
 
-    def tokens():  # (values, a scale per token)
-        return (torch.zeros(b, h, capacity, d, device=device, dtype=torch.int8),
+    def tokens(dtype):  # (values, a scale per token)
+        return (torch.zeros(b, h, capacity, d, device=device, dtype=dtype),
                 torch.zeros(b, h, capacity, device=device, dtype=torch.float32))
 
     if precision == "int4":
@@ -90,12 +91,12 @@ def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: st
     elif precision == "int8g":
         kq, ks, k_recent = groups(d, torch.uint8)
     else:
-        kq, ks = tokens()
+        kq, ks = tokens(torch.int8)
         k_recent = None
     if v_grouped(precision):
         vq, vs, v_recent = groups(d, torch.uint8)
     else:
-        vq, vs = tokens()
+        vq, vs = tokens(torch.uint8)  # offset binary (V_OFFSET)
         v_recent = None
     # σ in bf16: only a scale (any value serves, the kernels and this reference read the same), and a sliding
     # layer's small ring stays within its memory target
@@ -244,7 +245,8 @@ def append(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.T
     if v_grouped(p):
         _append_groups(vc, buffers.vq, buffers.vs, buffers.v_recent, pos0, p)
     else:
-        buffers.vq[:, :, pos0: pos0 + n], buffers.vs[:, :, pos0: pos0 + n] = quantize_tokens(vc, buffers.v_eq)
+        v_hat, buffers.vs[:, :, pos0: pos0 + n] = quantize_tokens(vc, buffers.v_eq)
+        buffers.vq[:, :, pos0: pos0 + n] = (v_hat.to(torch.int16) + V_OFFSET).to(torch.uint8)
 
 
 def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots: torch.Tensor | None):
@@ -254,7 +256,10 @@ def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots:
     if not (k_grouped if which == "k" else v_grouped)(buffers.precision):
         index = slice(0, length) if slots is None else slots
         eq = getattr(buffers, which + "_eq")[:, :, None, :d].to(dtype)
-        return values[:, :, index, :d].to(dtype) * scales[:, :, index, None].to(dtype) * eq
+        values = values[:, :, index, :d].to(dtype)
+        if which == "v":
+            values = values - V_OFFSET
+        return values * scales[:, :, index, None].to(dtype) * eq
     if slots is not None:
         raise ValueError(f"grouped {which.upper()} is read in whole groups: dequantize_{which} takes a length, not slots")
     whole = length // GROUP * GROUP
