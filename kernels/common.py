@@ -18,6 +18,7 @@ _V_DITHER_STEP = tl.constexpr(formats.V_DITHER_STEP)
 LOG2E = tl.constexpr(formats.LOG2E)  # the softmax runs in base 2
 KV_GROUP = tl.constexpr(formats.KV_GROUP)  # the KV cache's grouped formats: tokens a group (see formats)
 V_OFFSET = tl.constexpr(formats.KV_V_OFFSET)  # the KV cache's per-token V, offset binary (see formats)
+V_TILE = tl.constexpr(formats.KV_V_TILE)  # ... and channel-major in tiles of this many tokens
 INT4_LEVELS = tl.constexpr(formats.KV_GROUP_LEVELS["int4"])
 G8_LEVELS = tl.constexpr(formats.KV_GROUP_LEVELS["int8g"])
 INT4_DIRECTED = tl.constexpr(formats.KV_GROUP_DIRECTED["int4"])

@@ -10,7 +10,9 @@ Storage of one cache layer (B batch, Hk key/value heads, CAP token slots, D head
          bf16 (B, Hk, CAP/G, 2, D)   INT4, G8: per (group of G = KV_GROUP slots, channel) scale and zero,
                                      K − k̄ ≈ zero + u · scale
     kr   (B, Hk, G, D)               INT4, G8: K − k̄ of the incomplete group's tokens, in the model's dtype
-    vq   uint8 (B, Hk, CAP, D)       (V − v̄) / σ_V over δV, as INT8 K, plus 128 (offset binary), or G8: u as K's
+    vq   uint8 (B, Hk, CAP/T, D, T)  (V − v̄) / σ_V over δV, as INT8 K, plus 128 (offset binary), channel-major in
+                                     tiles of T = V_TILE slots (formats.KV_V_TILE), or
+         uint8 (B, Hk, CAP, D)       G8: u as K's
     vs   fp32 (B, Hk, CAP)           δV per token, or G8: as K's
     vr   (B, Hk, G, D)               G8: V − v̄ of the incomplete group's tokens
     k̄, v̄ fp32 (B·Hk, D)              centers, fixed when the layer is first filled
@@ -59,7 +61,7 @@ import triton
 import triton.language as tl
 
 from .common import (G8_DIRECTED, G8_DITHERED, G8_LEVELS, INT4_DIRECTED, INT4_DITHERED, INT4_LEVELS, KV_GROUP,
-                     SCALE_FLOOR, V_OFFSET, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, to_bf16,
+                     SCALE_FLOOR, V_OFFSET, V_TILE, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, to_bf16,
                      to_bf16_toward)
 
 
@@ -156,10 +158,10 @@ def _append_group8(X_rows, BAR, Q_rows, G_group, R, bh, rows, new_ok, complete, 
 
 @triton.jit
 def _append_tokens(X_rows, BAR, EQ, Q_rows, S_rows, bh, c, row_ok, stride_xd, HEAD_DIM: tl.constexpr,
-                   GRID_ROUND: tl.constexpr, OFFSET: tl.constexpr):
+                   GRID_ROUND: tl.constexpr, OFFSET: tl.constexpr, STRIDE_QC: tl.constexpr):
     """Per-token INT8 (K or V) of rows of new tokens: x − x̄ over the channels' equalizers σ, then over the token's
     scale (its largest |value| / 127), as ``reference.quantize_tokens``; stored plus OFFSET (V: 128, offset binary
-    in a uint8, ``reference.V_OFFSET``)."""
+    in a uint8, ``reference.V_OFFSET``), channel c at ``Q_rows`` + c · STRIDE_QC (V: a column of its tile)."""
     ok = row_ok[:, None] & (c < HEAD_DIM)[None, :]
     x = tl.load(X_rows + c[None, :] * stride_xd, mask=ok, other=0.0).to(tl.float32)
     bar = tl.load(BAR + bh * HEAD_DIM + c, mask=c < HEAD_DIM, other=0.0)
@@ -169,7 +171,7 @@ def _append_tokens(X_rows, BAR, EQ, Q_rows, S_rows, bh, c, row_ok, stride_xd, HE
     values = quantize_symmetric(x, scale[:, None], 127.0, GRID_ROUND)
     if OFFSET != 0:
         values = (values.to(tl.int32) + OFFSET).to(Q_rows.dtype.element_ty)
-    tl.store(Q_rows + c[None, :], values, mask=ok)
+    tl.store(Q_rows + c[None, :] * STRIDE_QC, values, mask=ok)
     tl.store(S_rows, scale, mask=row_ok)
 
 
@@ -241,11 +243,11 @@ def append_kernel(
     if not GROUPED:
         _append_tokens(K + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn, K_BAR, K_EQ,
                        KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn, KS + s_off, bh, c, row_ok,
-                       stride_kd, HEAD_DIM, GRID_ROUND, 0)
-    if not G8:
-        _append_tokens(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn, V_BAR, V_EQ,
-                       VQ + b * stride_wb + hk * stride_wh + slots[:, None] * stride_wn, VS + s_off, bh, c, row_ok,
-                       stride_vd, HEAD_DIM, GRID_ROUND, V_OFFSET)
+                       stride_kd, HEAD_DIM, GRID_ROUND, 0, 1)
+    if not G8:  # V's tiles are channel-major (V_TILE slots a tile): a token is a column
+        v_cols = VQ + b * stride_wb + hk * stride_wh + (slots // V_TILE)[:, None] * stride_wn + (slots % V_TILE)[:, None]
+        _append_tokens(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn, V_BAR, V_EQ, v_cols, VS + s_off,
+                       bh, c, row_ok, stride_vd, HEAD_DIM, GRID_ROUND, V_OFFSET, V_TILE)
 
 
 @triton.jit
@@ -346,6 +348,15 @@ def _weighted(p, v, KEYS_AS_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _weighted_t(p, vt, KEYS_AS_ROWS: tl.constexpr):
+    """As :func:`_weighted` with the values given transposed, vt (channels, BLOCK_N)."""
+    if KEYS_AS_ROWS:
+        return tl.dot(vt, p)
+    else:
+        return tl.dot(p, tl.trans(vt))
+
+
+@triton.jit
 def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                  s_base, v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
@@ -360,7 +371,8 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     8-bit K and V (q as ``q_unit`` · ``q_amax``: q over its row's largest |q|, and that), or with RECENT the
     incomplete group's tokens from ``k_recent_base`` (and G8's V from ``v_recent_base``; slot ``recent_lo`` is
     their row 0). Per-token INT8 K: q as two INT8 parts ``q_unit`` and ``q_fine`` (decode_kernel) times ``q_amax``.
-    V_STAGED: V's tile goes through shared memory in fp16 (:func:`_fp16_1024_plus`).
+    V_STAGED: G8's V tile goes through shared memory in fp16 (:func:`_fp16_1024_plus`); per-token V's channel-major
+    tile needs no staging.
     SOFTCAP: scores c·tanh(s / c) of the true score s (the smoothed score plus the row's ``shift``, in base 2,
     as ``softcap2`` = c·log2 e); WINDOW / CHUNK: the query at position diag + qi sees keys within ``window``
     of it / in its chunk of ``chunk_size``; RING: keys in the cyclic slot range of ``ring_count`` slots from
@@ -539,12 +551,20 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         pv = (pv * _per_key_or_channel(scale, KEYS_AS_ROWS)
               + _per_query(p_sum, KEYS_AS_ROWS) * _per_key_or_channel(zero, KEYS_AS_ROWS))
     else:  # per-token INT8 V (its 127 and equalizers σ_V come back in the output, at the end)
-        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], n_ok, offs_d < HEAD_DIM, 0, MASK_N,
-                       EVEN_D)
+        # channel-major tiles of V_TILE slots (formats.KV_V_TILE): the tile's Vᵀ (D_PAD, BLOCK_N) rows are runs of
+        # V_TILE contiguous keys, as the dot's operand pairs them: 16-byte loads, converted in place, no staging
+        tl.static_assert(V_TILE <= BLOCK_N)  # powers of two both: a key tile is whole V tiles
+        # (no mask by key: the storage holds whole tiles, and a key past hi weighs p_w = 0 against a finite value)
+        key_off = tl.max_contiguous(tl.multiple_of((offs_n // V_TILE) * stride_vn + offs_n % V_TILE, V_TILE), V_TILE)
+        vt = v_base + key_off[None, :] + offs_d[:, None] * V_TILE
+        if EVEN_D:
+            vt = tl.load(vt)
+        else:
+            vt = tl.load(vt, mask=(offs_d < HEAD_DIM)[:, None], other=0)
         if INTERPRET:
-            pv = _weighted(p_w.to(tl.float32), v.to(tl.float32) - V_OFFSET, KEYS_AS_ROWS)
+            pv = _weighted_t(p_w.to(tl.float32), vt.to(tl.float32) - V_OFFSET, KEYS_AS_ROWS)
         else:  # (see p_w above)
-            pv = (_weighted(p_w, _fp16_1024_plus(v, V_STAGED), KEYS_AS_ROWS)
+            pv = (_weighted_t(p_w, _fp16_1024_plus(vt, False), KEYS_AS_ROWS)
                   - (1024.0 + V_OFFSET) * _per_query(p_w_sum, KEYS_AS_ROWS))
     acc = acc * _per_query(alpha, KEYS_AS_ROWS) + pv
     return acc, m_new, l_i

@@ -79,6 +79,11 @@ KV_EQ_MIN_TOKENS = 16
 # The decode kernel's tile turns a byte u into the fp16 1024 + u with one byte permute a pair (kernels/decode.py
 # _fp16_1024_plus); a signed byte took an xor of four first, 64 of a d128 tile's 892 instructions a warp (INT8 K).
 KV_V_OFFSET = 128
+# ... and channel-major in tiles of this many tokens, (B, H, CAP / KV_V_TILE, D, KV_V_TILE): the decode kernel's P·V
+# dot, with the keys as the dots' rows, takes Vᵀ as its operand, whose registers pair two keys of one channel; a
+# key-major tile had to be converted and staged through shared memory to be read back transposed. 16 keys are one
+# 16-byte load a channel, and the per-token formats' capacities are whole 16-token blocks already.
+KV_V_TILE = 16
 
 # A group whose values are all zero gets this scale, so that quantizing it gives zeros, never NaN.
 SCALE_FLOOR = 1e-30

@@ -290,10 +290,10 @@ def test_a_formats_launch_can_change_at_one_head_dim():
     assert decode_launch.kernel_options("int8", 64, False)["num_warps"] == 1
 
 
-def test_float32_models_plan_fewer_int4_programs():
-    """A float32 model's INT4 recent-token tile (kept in the model's floats) changes layout through more shared
-    memory than a 16-bit model's: the plan counts the programs an SM holds by kernels.json's 32-bit row (INT4 d128:
-    three, where a 16-bit model's hold four); int8g's and INT8's builds take the same bytes at both widths."""
+def test_the_plan_reads_the_shared_memory_of_the_models_float_width():
+    """INT4's recent-token tile is kept in the model's floats, so a float32 model's INT4 program takes more shared
+    memory (kernels.json's 32-bit row), and the plan counts the programs an SM holds from that row (at d128 five
+    either way); INT8's and int8g's builds take the same bytes at both widths."""
     counts = {}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for precision in ("int8", "int4", "int8g"):
@@ -302,10 +302,12 @@ def test_float32_models_plan_fewer_int4_programs():
             assert shared > 0
             counts[dtype, precision] = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
                                                                        shared)
-    assert counts[torch.bfloat16, "int4"] == counts[torch.float16, "int4"] == 4
-    assert counts[torch.float32, "int4"] == 3
-    for precision in ("int8", "int8g"):
-        assert counts[torch.float32, precision] == counts[torch.bfloat16, precision] == 4, precision
+    width = {dtype: decode_launch.default_shared_bytes("int4", 128, False, dtype) for dtype in (torch.bfloat16,
+                                                                                                torch.float32)}
+    assert width[torch.float32] > width[torch.bfloat16]
+    assert counts[torch.bfloat16, "int4"] == counts[torch.float16, "int4"] == counts[torch.float32, "int4"] == 5
+    assert counts[torch.float32, "int8"] == counts[torch.bfloat16, "int8"] == 6
+    assert counts[torch.float32, "int8g"] == counts[torch.bfloat16, "int8g"] == 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled GPU kernel")
@@ -389,7 +391,9 @@ def test_append_matches_reference_and_appends_in_place(seed, precision):
             recent, want_recent = getattr(buf, name + "_recent"), getattr(ref, name + "_recent")
             assert torch.equal(recent[:, :, : n - whole], want_recent[:, :, : n - whole]), name
             assert (values[:, :, whole:] == (99 if name == "k" else 200)).all()  # slots past them untouched
-        else:  # per token, bit for bit
+        else:  # per token, bit for bit (V's channel-major tiles as rows of slots)
+            if name == "v":
+                values, want_values = (kv_reference.token_major(t).flatten(2, 3) for t in (values, want_values))
             assert torch.equal(values[:, :, :n], want_values[:, :, :n]) and torch.equal(scales[:, :, :n], want_scales[:, :, :n])
             assert (values[:, :, n:] == (99 if name == "k" else 200)).all()
             assert torch.equal(getattr(buf, name + "_eq"), getattr(ref, name + "_eq"))
@@ -469,7 +473,7 @@ MUTATIONS = {
     "per-token K: q's two parts joined wrong (GPU)": ("k_t, out_dtype=tl.int32) * 254,", "k_t, out_dtype=tl.int32),"),
     "per-token V's fp16 offset wrong (GPU)": ("- (1024.0 + V_OFFSET) * _per_query(p_w_sum",
                                               "- (1000.0 + V_OFFSET) * _per_query(p_w_sum"),
-    "per-token V's storage offset kept": ("v.to(tl.float32) - V_OFFSET", "v.to(tl.float32)"),
+    "per-token V's storage offset kept": ("vt.to(tl.float32) - V_OFFSET", "vt.to(tl.float32)"),
     "keys as rows: q's two parts joined wrong (GPU)": ("q_unit, out_dtype=tl.int32) * 254,",
                                                        "q_unit, out_dtype=tl.int32),"),
 }

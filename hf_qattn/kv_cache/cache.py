@@ -157,7 +157,9 @@ class QAttnLayer(CacheLayerMixin):
             n, groups = self._length, self._length // reference.GROUP
             k_rows = groups if reference.k_grouped(self.precision) else n  # grouped scales: a row per whole group
             v_rows = groups if reference.v_grouped(self.precision) else n
-            for new, prev, rows in zip(self._buffers[1:5], old[1:5], (n, k_rows, n, v_rows)):
+            # per-token V: whole tiles of V_TILE slots (reference.allocate)
+            vq_rows = n if reference.v_grouped(self.precision) else -(-n // reference.V_TILE)
+            for new, prev, rows in zip(self._buffers[1:5], old[1:5], (n, k_rows, vq_rows, v_rows)):
                 new[:, :, :rows].copy_(prev[:, :, :rows])
             for new, prev in zip(self._buffers[5:], old[5:]):
                 if prev is not None:
@@ -293,9 +295,10 @@ class QAttnLayer(CacheLayerMixin):
             # back inside a group quantized already: a grouped tensor's kept tokens wait in its recent rows again
             # (dequantized, so they are quantized twice when the group completes anew)
             buf, kept, at = self._buffers, length - first, slice(first // group, first // group + 1)
+            v_grouped = reference.v_grouped(self.precision)
             one = buf._replace(kq=buf.kq[:, :, first: first + group], ks=buf.ks[:, :, at],
-                               vq=buf.vq[:, :, first: first + group],
-                               vs=buf.vs[:, :, at] if reference.v_grouped(self.precision) else buf.vs)
+                               vq=buf.vq[:, :, first: first + group] if v_grouped else buf.vq,
+                               vs=buf.vs[:, :, at] if v_grouped else buf.vs)
             buf.k_recent[:, :, :kept] = reference.dequantize_k(one, self.head_dim, group)[:, :, :kept]
             if reference.v_grouped(self.precision):
                 buf.v_recent[:, :, :kept] = reference.dequantize_v(one, self.head_dim, group)[:, :, :kept]

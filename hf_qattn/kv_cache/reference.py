@@ -33,7 +33,7 @@ import torch
 from ..masks import visible_keys
 from ..kernels.formats import (INT_MAX, KV_EQ_FLOOR, KV_EQ_MIN_TOKENS, KV_GROUP as GROUP, KV_GROUP_DIRECTED,
                                KV_GROUP_DITHER_STRIDE, KV_GROUP_DITHERED, KV_GROUP_LEVELS, KV_V_OFFSET as V_OFFSET,
-                               padded_head_dim)
+                               KV_V_TILE as V_TILE, padded_head_dim)
 from ..quant import SCALE_FLOOR, reciprocal
 
 PRECISIONS = ("int8", "int4", "int8g")
@@ -62,28 +62,37 @@ def v_grouped(precision: str) -> bool:
 
 
 def block_tokens(precision: str) -> int:
-    """Capacities are whole multiples of this: the groups of a grouped precision, else 16-token blocks (the
-    per-token scales' strides stay divisible by 16, so no kernel meets a new specialization as a cache grows)."""
-    return GROUP if k_grouped(precision) else 16
+    """Capacities are whole multiples of this: the groups of a grouped precision, and per-token V's tiles
+    (``V_TILE``) of the others (the per-token scales' strides stay divisible by 16, so no kernel meets a new
+    specialization as a cache grows)."""
+    return GROUP if k_grouped(precision) else V_TILE
+
+
+def token_major(vq: torch.Tensor) -> torch.Tensor:
+    """Per-token V's tiles (B, H, CAP / V_TILE, D, V_TILE) as a (B, H, CAP / V_TILE, V_TILE, D) view: ``view[:, :,
+    slot // V_TILE, slot % V_TILE]`` is a slot's row."""
+    return vq.transpose(-1, -2)
 
 
 def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: str, device,
              recent_dtype: torch.dtype = torch.bfloat16) -> Buffers:
-    """Zeroed storage for at least ``capacity`` tokens: exactly that many, or for a grouped precision whole
-    groups (the decode kernel reads a group a tile); the capacity is ``kq.shape[2]``."""
+    """Zeroed storage for at least ``capacity`` tokens, in whole groups (a grouped precision: the decode kernel
+    reads a group a tile) and whole tiles of per-token V (``V_TILE``); the capacity is ``kq.shape[2]``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     b, h, d = batch, heads, head_dim
     if k_grouped(precision):
         capacity = -(-capacity // GROUP) * GROUP
+    if not v_grouped(precision):
+        capacity = -(-capacity // V_TILE) * V_TILE
 
     def groups(values_shape, dtype):  # (values, scale and zero per group and channel, the incomplete group)
         return (torch.zeros(b, h, capacity, values_shape, device=device, dtype=dtype),
                 torch.zeros(b, h, capacity // GROUP, 2, d, device=device, dtype=torch.bfloat16),
                 torch.zeros(b, h, GROUP, d, device=device, dtype=recent_dtype))
 
-    def tokens(dtype):  # (values, a scale per token)
-        return (torch.zeros(b, h, capacity, d, device=device, dtype=dtype),
+    def tokens(values_shape, dtype):  # (values, a scale per token)
+        return (torch.zeros(b, h, *values_shape, device=device, dtype=dtype),
                 torch.zeros(b, h, capacity, device=device, dtype=torch.float32))
 
     if precision == "int4":
@@ -91,12 +100,12 @@ def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: st
     elif precision == "int8g":
         kq, ks, k_recent = groups(d, torch.uint8)
     else:
-        kq, ks = tokens(torch.int8)
+        kq, ks = tokens((capacity, d), torch.int8)
         k_recent = None
     if v_grouped(precision):
         vq, vs, v_recent = groups(d, torch.uint8)
     else:
-        vq, vs = tokens(torch.uint8)  # offset binary (V_OFFSET)
+        vq, vs = tokens((capacity // V_TILE, d, V_TILE), torch.uint8)  # offset binary, channel-major tiles
         v_recent = None
     # σ in bf16: only a scale (any value serves, the kernels and this reference read the same), and a sliding
     # layer's small ring stays within its memory target
@@ -246,7 +255,8 @@ def append(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.T
         _append_groups(vc, buffers.vq, buffers.vs, buffers.v_recent, pos0, p)
     else:
         v_hat, buffers.vs[:, :, pos0: pos0 + n] = quantize_tokens(vc, buffers.v_eq)
-        buffers.vq[:, :, pos0: pos0 + n] = (v_hat.to(torch.int16) + V_OFFSET).to(torch.uint8)
+        slots = torch.arange(pos0, pos0 + n, device=v_hat.device)
+        token_major(buffers.vq)[:, :, slots // V_TILE, slots % V_TILE] = (v_hat.to(torch.int16) + V_OFFSET).to(torch.uint8)
 
 
 def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots: torch.Tensor | None):
@@ -256,9 +266,11 @@ def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots:
     if not (k_grouped if which == "k" else v_grouped)(buffers.precision):
         index = slice(0, length) if slots is None else slots
         eq = getattr(buffers, which + "_eq")[:, :, None, :d].to(dtype)
-        values = values[:, :, index, :d].to(dtype)
-        if which == "v":
-            values = values - V_OFFSET
+        if which == "v":  # offset binary, channel-major tiles
+            slots = torch.arange(length, device=values.device) if slots is None else slots
+            values = token_major(values)[:, :, slots // V_TILE, slots % V_TILE, :d].to(dtype) - V_OFFSET
+        else:
+            values = values[:, :, index, :d].to(dtype)
         return values * scales[:, :, index, None].to(dtype) * eq
     if slots is not None:
         raise ValueError(f"grouped {which.upper()} is read in whole groups: dequantize_{which} takes a length, not slots")
