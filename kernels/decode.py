@@ -348,15 +348,6 @@ def _weighted(p, v, KEYS_AS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _weighted_t(p, vt, KEYS_AS_ROWS: tl.constexpr):
-    """As :func:`_weighted` with the values given transposed, vt (channels, BLOCK_N)."""
-    if KEYS_AS_ROWS:
-        return tl.dot(vt, p)
-    else:
-        return tl.dot(p, tl.trans(vt))
-
-
-@triton.jit
 def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi, kv_lo, diag, qi, k_base, KS, VS,
                  s_base, v_base, k_group_base, k_recent_base, v_group_base, v_recent_base, recent_lo,
                  stride_kn, stride_vn, stride_gg, stride_rn, score_coef, shift, softcap2, window, chunk_size, ring,
@@ -562,9 +553,9 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
         else:
             vt = tl.load(vt, mask=(offs_d < HEAD_DIM)[:, None], other=0)
         if INTERPRET:
-            pv = _weighted_t(p_w.to(tl.float32), vt.to(tl.float32) - V_OFFSET, KEYS_AS_ROWS)
+            pv = _weighted(p_w.to(tl.float32), tl.trans(vt.to(tl.float32) - V_OFFSET), KEYS_AS_ROWS)
         else:  # (see p_w above)
-            pv = (_weighted_t(p_w, _fp16_1024_plus(vt, False), KEYS_AS_ROWS)
+            pv = (_weighted(p_w, tl.trans(_fp16_1024_plus(vt, False)), KEYS_AS_ROWS)
                   - (1024.0 + V_OFFSET) * _per_query(p_w_sum, KEYS_AS_ROWS))
     acc = acc * _per_query(alpha, KEYS_AS_ROWS) + pv
     return acc, m_new, l_i
