@@ -281,7 +281,7 @@ def test_static_storage_is_preallocated_and_bounded(seed):
     k, v = _states(1, 2, 20, 16)
     layer.update(k, v)
     buffer = layer.storage().kq
-    assert layer.storage().capacity == 32 and layer.get_max_length() == 24  # storage: whole 16-slot V tiles
+    assert layer.storage().capacity == layer.get_max_length() == 32  # whole 16-slot blocks
     layer.update(k[:, :, :12], v[:, :, :12])
     assert layer.storage().kq is buffer  # filled in place, to its capacity
     with pytest.raises(qcache.QAttnCacheError, match="static_max_len"):

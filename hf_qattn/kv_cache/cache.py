@@ -120,7 +120,8 @@ class QAttnLayer(CacheLayerMixin):
         if precision not in reference.PRECISIONS:
             raise ValueError(f"precision must be one of {reference.PRECISIONS} for a quantized layer; got {precision!r}")
         self.precision = precision
-        self.max_len = max_len
+        # static storage holds whole blocks (as ``reserve``): the tokens it takes are the ones it holds
+        self.max_len = None if max_len is None else _whole_blocks(max_len, precision)
         self.center_sample = center_sample
         self._length = 0
         self._capacity = 0
