@@ -544,9 +544,9 @@ def _attend_tile(q, q_lo, q_hi, q_unit, q_fine, q_amax, acc, m_i, l_i, start, hi
     else:  # per-token INT8 V (its 127 and equalizers σ_V come back in the output, at the end)
         # channel-major tiles of V_TILE slots (formats.KV_V_TILE): the tile's Vᵀ (D_PAD, BLOCK_N) rows are runs of
         # V_TILE contiguous keys, as the dot's operand pairs them: 16-byte loads, converted in place, no staging
-        tl.static_assert(V_TILE <= BLOCK_N)  # powers of two both: a key tile is whole V tiles
+        RUN: tl.constexpr = V_TILE if V_TILE < BLOCK_N else BLOCK_N  # a row's contiguous keys (powers of two both)
         # (no mask by key: the storage holds whole tiles, and a key past hi weighs p_w = 0 against a finite value)
-        key_off = tl.max_contiguous(tl.multiple_of((offs_n // V_TILE) * stride_vn + offs_n % V_TILE, V_TILE), V_TILE)
+        key_off = tl.max_contiguous(tl.multiple_of((offs_n // V_TILE) * stride_vn + offs_n % V_TILE, RUN), RUN)
         vt = v_base + key_off[None, :] + offs_d[:, None] * V_TILE
         if EVEN_D:
             vt = tl.load(vt)
