@@ -111,9 +111,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
 # V_STAGED (kernels/decode.py _fp16_1024_plus): int8g up to WIDE_ABOVE (its V groups are key-major). Per-token V
-#   (INT8, INT4) is stored channel-major in 16-slot tiles (formats.KV_V_TILE) and needs no staging: offline, the
-#   INT8 d128 tile 892 → 755 instructions, 50 → 35 KB a program; INT4 1,370 → 1,197, 55.5 → 40 KB (NOT measured on
-#   a GPU yet: decode-warps-*-2026-11-28.md section 10).
+#   (INT8, INT4) is stored channel-major in 64-token tiles (formats.KV_V_TILE) and needs no staging: offline, the
+#   INT8 d128 tile 892 → 755 instructions, 50 → 35 KB a program; INT4 1,370 → 1,197, 55.5 → 40 KB. H200, B8 d128:
+#   INT4 −8 % / −9 % at 64k / 128k, INT8 level there (decode-warps-*-2026-11-28.md section 10).
 # KEYS_AS_ROWS_UP_TO: tiles of at most this many query rows (a decode step of GQA ≤ 8) take the keys as the dots'
 #   rows and the query rows as their columns, which an mma pads to 8 where it pads rows to 16: half the softmax's
 #   elements and half the mma's of the 16-row tile. INT8 (one warp, d128: 1,259 → 928 instructions a tile, no spill
@@ -122,7 +122,8 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   138.4 (−11 %; decode-NVIDIA-H200-2026-11-29.md and its previous run, section 6c); INT4 at one warp (above).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
-#   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168.
+#   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168, on three
+#   stages (MORE_ROWS applies after BY_HEAD_DIM: it undoes d128's four, measured for the one-warp tile only).
 # SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
 #   SM holds count it (one-warp INT8 programs: 8 by registers, 6 by shared memory at d128; at d64 capped at the 128
