@@ -212,8 +212,10 @@ def test_nbytes_and_the_memory_targets():
     fixed = [centers + equalizers["int8"], recent + centers + equalizers["int4"]]
     assert per_layer == [b * h * n * (d + d + 8) + fixed[0], int(b * h * n * int4_slot) + fixed[1]]
     assert cache.nbytes(used=True) == sum(per_layer)
-    # allocated: whole blocks (16 tokens; INT4's groups), every byte of the layers' tensors counted
-    assert cache.nbytes(per_layer=True) == [b * h * 48 * (d + d + 8) + fixed[0], int(b * h * group * int4_slot) + fixed[1]]
+    # allocated: whole blocks (per-token V's tiles; INT4's groups), every byte of the layers' tensors counted
+    blocks = -(-n // kv_reference.block_tokens("int8")) * kv_reference.block_tokens("int8")
+    assert cache.nbytes(per_layer=True) == [b * h * blocks * (d + d + 8) + fixed[0],
+                                            int(b * h * group * int4_slot) + fixed[1]]
     assert cache.nbytes() == sum(_tensor_bytes(layer) for layer in cache.layers)
     bf16 = b * h * n * d * 2 * 2
     assert (per_layer[0] - fixed[0]) / bf16 <= 0.55 and (per_layer[1] - fixed[1]) / bf16 <= 0.41
@@ -236,7 +238,7 @@ def test_generation_never_doubles_the_cache(prompt):
     """A prompt, then 256 tokens (the first alone, as generate's first step; then in 15 appends of 17):
     nbytes() reports what is allocated, which from 1,000 tokens on stays ≤ 0.56× (INT8 K) / ≤ 0.45× (INT4 K)
     of a bf16 cache of the same tokens after every append, and ends there. Below 1,000 tokens a block
-    (16 tokens; INT4: a 64-token group) is more than the bounds' slack, and INT4 holds its incomplete group's
+    (64 tokens: per-token V's tile, INT4's group) is more than the bounds' slack, and INT4 holds its incomplete group's
     K in the model's dtype (16 KiB a head at d128 in bf16), a fixed cost: there INT8 still ends ≤ 0.56×, INT4
     ≤ 0.45× plus that buffer and the centers. Doubling the capacity at the first generated token held 1.03×
     at a 4,096-token prompt. int8g (8-bit K and V groups) is held to its own arithmetic."""
@@ -277,12 +279,13 @@ def test_generation_never_doubles_the_cache(prompt):
 
 
 def test_static_storage_is_preallocated_and_bounded(seed):
-    layer = qcache.QAttnLayer("int8", max_len=24)
-    k, v = _states(1, 2, 20, 16)
+    block = kv_reference.block_tokens("int8")
+    layer = qcache.QAttnLayer("int8", max_len=block + 8)
+    k, v = _states(1, 2, block + 4, 16)
     layer.update(k, v)
     buffer = layer.storage().kq
-    assert layer.storage().capacity == layer.get_max_length() == 32  # whole 16-slot blocks
-    layer.update(k[:, :, :12], v[:, :, :12])
+    assert layer.storage().capacity == layer.get_max_length() == 2 * block  # whole blocks
+    layer.update(k[:, :, :block - 4], v[:, :, :block - 4])
     assert layer.storage().kq is buffer  # filled in place, to its capacity
     with pytest.raises(qcache.QAttnCacheError, match="static_max_len"):
         layer.update(k[:, :, :1], v[:, :, :1])
@@ -472,7 +475,7 @@ def test_static_storage_keeps_the_token_count_on_the_device(seed, plan, layout):
     for layer in static.layers:
         store = layer.storage()
         assert store.length == 16 and store.device_length.tolist() == [16]
-        assert store.capacity == (48 if store.precision == "int8" else 64)  # V's 16-slot tiles; whole groups
+        assert store.capacity == kv_reference.block_tokens(store.precision)  # whole blocks (40 slots asked)
     static.crop(-3)
     assert [layer.storage().device_length.item() for layer in static.layers] == [13, 13]
     static.reset()
@@ -566,14 +569,15 @@ def test_captured_step_refuses_a_step_past_the_static_storage(seed, monkeypatch)
 
     monkeypatch.setattr(captured, "_capture_device_ok", lambda device: True)
     model = _tiny_lm()
-    cache = hf_qattn.QAttnCache(model, static_max_len=16)
+    block = kv_reference.block_tokens("int8")  # a static cache's storage: whole blocks
+    cache = hf_qattn.QAttnCache(model, static_max_len=block)
     with torch.no_grad():
-        model(torch.randint(1, 128, (1, 15)), **{CACHE_KW: cache}, use_cache=True)
+        model(torch.randint(1, 128, (1, block - 1)), **{CACHE_KW: cache}, use_cache=True)
     step = hf_qattn.CapturedDecodeStep(model, cache, warmup=4)
-    step(torch.randint(1, 128, (1, 1)))  # the 16th token: the last slot
-    with pytest.raises(qcache.QAttnCacheError, match="static_max_len=16.* is full"):
+    step(torch.randint(1, 128, (1, 1)))  # the last slot
+    with pytest.raises(qcache.QAttnCacheError, match=f"static_max_len={block}.* is full"):
         step(torch.randint(1, 128, (1, 1)))
-    assert cache.get_seq_length() == 16
+    assert cache.get_seq_length() == block
 
 
 def test_captured_step_refuses_a_mask_it_cannot_replay(seed):

@@ -231,7 +231,7 @@ def test_window_layer_holds_what_the_next_query_sees(seed, kind, span, steps):
         assert got_k.shape == want_k.shape
         for got, want in ((got_k, want_k), (got_v, want_v)):
             assert torch.allclose(got, want, atol=0.08 * want.abs().max())
-        # storage: the last span tokens, at most the span rounded up to one whole 16-token block
+        # storage: the last span tokens, at most the span rounded up to a whole block
         store = layer.storage()
         assert store.capacity <= qcache._whole_blocks(span) and store.length <= span
         assert first == max(seen - span, 0) and store.length == seen - first
@@ -535,8 +535,10 @@ def test_captured_step_over_sliding_layers_matches_eager_steps(seed, kind, monke
                     assert int(store.device_length) == (store.length if layer.kind == "sliding_attention"
                                                         else in_chunk)
                     assert int(layer._device_slot) == seen % layer.span
+    # the static layers' splits span their capacity (whole 64-token blocks), the dynamic ones' their length: the
+    # splits' merge rounds differently (fp32, ≤ 3e-5 here); a key read wrongly moves these logits by 1e-2 and more
     for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {i}")
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"step {i}")
     # replayed on a GPU, but gpt-oss's MoE (transformers 5.17) copies to the host, which a capture cannot hold: its
     # steps then run eagerly, counted, after the failed capture is undone (the logits above are right either way)
     uncapturable = [r for r in hf_qattn.fallback_stats()["fallbacks"] if r.startswith("CapturedDecodeStep")]

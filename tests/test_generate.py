@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_qattn  # noqa: E402
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
+from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
 from hf_qattn.plan import PRECISIONS, QAttnPlan  # noqa: E402
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)
@@ -63,9 +64,10 @@ def test_captured_generate_returns_a_dict_with_the_cache(seed):
     out = model.generate(ids, **{CACHE_KW: cache}, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                          pad_token_id=0, return_dict_in_generate=True, custom_generate=hf_qattn.captured_generate)
     assert out.sequences.shape == (1, 11)
-    # static storage for the prompt and max_new_tokens, in whole 16-token blocks; the last token is not
-    # appended (no step needs it)
-    assert cache.layers[0].storage().capacity == 16 and cache.get_seq_length() == 10
+    # static storage for the prompt and max_new_tokens, in whole blocks; the last token is not appended (no step
+    # needs it)
+    block = kv_reference.block_tokens(cache.layers[0].precision)
+    assert cache.layers[0].storage().capacity == block and cache.get_seq_length() == 10
 
 
 def test_what_it_cannot_replay_runs_transformers_loop_counted(seed, fresh_stats):

@@ -16,7 +16,7 @@ per-(batch, head, channel) centers fixed at the first fill, and so are the per-t
 a grouped tensor when its group completes (``kernels/decode.py``; the formats in ``reference.py``).
 Sliding-window and chunked layers (``config.layer_types``) are quantized the same way but hold only
 the last window / chunk-size tokens, a ring (:class:`QAttnWindowLayer`): their storage never exceeds
-that span rounded up to a whole 16-token block. A ring does not keep groups of consecutive tokens, so such a
+that span rounded up to a whole block (64 tokens). A ring does not keep groups of consecutive tokens, so such a
 layer stores INT8 K and V where the plan says ``int4`` or the layout groups (``precisions()`` shows it).
 Layers the plan marks unquantized keep transformers' full-precision ``DynamicLayer`` (or its sliding-window layer); other special layer types (linear
 attention, ...) keep transformers' own layer class.
@@ -60,8 +60,8 @@ except ImportError:  # transformers < 5: the cache is unavailable, the rest of h
     DynamicLayer = DYNAMIC_LAYER_TYPE_MAPPING = get_layer_types_and_kwargs = None
 
 CENTER_SAMPLE = 256
-# Growth of a layer's storage (without static_max_len): whole blocks (reference.block_tokens: 16 tokens, or
-# INT4's groups), and at least a sixteenth of what is held, so appending one token at a time reallocates
+# Growth of a layer's storage (without static_max_len): whole blocks (reference.block_tokens: 64 tokens, per-token
+# V's tiles or INT4's groups), and at least a sixteenth of what is held, so appending one token at a time reallocates
 # (and copies) every L/16 tokens while what is allocated stays within about 1/16 of what is used — doubling
 # (the usual rule) would hold twice the bytes of a 4k prompt from its first generated token on, more than a
 # bf16 cache of the same tokens.
