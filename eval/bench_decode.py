@@ -12,7 +12,10 @@ cached tokens L ∈ {1k, 4k, 16k, 64k, 128k}, one query token:
   * the decode kernel over the quantized cache, INT8 K and INT4 K (both with INT8 V per token);
   * the append kernel alone, quantizing one new token per sequence into the cache (per step cost);
   * the host time of one decode call (Python + launch, no synchronization): when it is close to
-    the GPU time the call is launch-bound, not bandwidth-bound.
+    the GPU time the call is launch-bound, not bandwidth-bound;
+  * on a GPU, the GPU time alone of SDPA's and each format's decode call (20 calls captured in one CUDA
+    graph, as a replayed decode step runs them): the kernels' speed where an eager call's host time
+    (≈ 60–90 µs) is near its GPU time (B8 16k) or above it (B1 up to 64k).
 Times are medians of CUDA-event-timed batches of calls after warm-up; GB/s is the cache bytes
 each reads (scales included) over its time.
 
@@ -57,7 +60,7 @@ if not torch.cuda.is_available():  # the kernels run under Triton's interpreter,
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_qattn.kv_cache.captured import cache_argument  # noqa: E402
-from timing import events_ms, host_us  # noqa: E402  (eval/timing.py)
+from timing import events_ms, graph_ms, host_us  # noqa: E402  (eval/timing.py)
 import report  # noqa: E402  (eval/report.py)
 
 CACHE_KW = cache_argument(transformers.LlamaForCausalLM)  # cache= from transformers 5.24, past_key_values= before
@@ -210,6 +213,10 @@ def kernel_rows(args, device, dtype):
                 row["sdpa_us"] = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=False, enable_gqa=True), args.calls, args.repeats)
                 row["sdpa_GBs"] = bf16_bytes / row["sdpa_us"] / 1e3
+                graphs = torch.device(device).type == "cuda"  # GPU time alone: the calls replayed from one CUDA graph
+                if graphs:
+                    row["sdpa_graph_us"] = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=False, enable_gqa=True), calls=args.calls, replays=args.repeats) * 1e3
                 if not args.no_qattn_prefill_path:
                     try:
                         row["qattn_bf16cache_us"] = time_us(lambda: hf_qattn.qattn(q, k, v), max(3, args.calls // 10),
@@ -230,6 +237,12 @@ def kernel_rows(args, device, dtype):
                         row[f"{precision}_GBs"] = qbytes / us / 1e3
                         row[f"{precision}_x"] = row["sdpa_us"] / us
                         row[f"{precision}_host_us"] = host_us(run, args.calls, repeats=1, hold_gpu=False)
+                        if graphs:
+                            try:
+                                row[f"{precision}_graph_us"] = graph_ms(run, calls=args.calls,
+                                                                        replays=args.repeats) * 1e3
+                            except Exception as error:  # noqa: BLE001
+                                row[f"{precision}_graph_us"] = f"error: {type(error).__name__}"
                         # accuracy of the timed call against exact attention on the bf16 cache (before the append
                         # timing below, which leaves a grouped format's last group built from stale recent rows)
                         run()
@@ -650,6 +663,28 @@ def kernel_table(rows) -> list[str]:
     return lines
 
 
+def kernel_gpu_table(rows) -> list[str]:
+    """GPU time alone of one decode call (20 calls replayed from one CUDA graph): SDPA and each format, with the
+    ratio and the cache's GB/s at that time; empty where no row has it (no GPU)."""
+    rows = [r for r in rows if "error" not in r and "sdpa_graph_us" in r]
+    if not rows:
+        return []
+    lines = ["| B | L | SDPA bf16 µs (GB/s) | " + " | ".join(f"{p} µs (GB/s) | ×SDPA" for p in CACHE_PRECISIONS) + " |",
+             "|---|---|---|" + "---|---|" * len(CACHE_PRECISIONS)]
+    for r in rows:
+        sdpa = r["sdpa_graph_us"]
+        cells = [str(r["B"]), str(r["L"]), f"{fmt(sdpa)} ({fmt(r['sdpa_GBs'] * r['sdpa_us'] / sdpa, '{:.0f}')})"]
+        for p in CACHE_PRECISIONS:
+            us = r.get(f"{p}_graph_us")
+            if not isinstance(us, float):
+                cells += [str(us or "-"), "-"]
+            else:
+                gbs = r[f"{p}_GBs"] * r[f"{p}_us"] / us  # the same bytes over the GPU time
+                cells += [f"{fmt(us)} ({fmt(gbs, '{:.0f}')})", fmt(sdpa / us, "{:.2f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def generate_table(rows, args) -> list[str]:
     lines = ["GPU ms/token: the kernels' time of a step (profiler sum for eager steps; the step time itself when "
              "replayed from a CUDA graph) — what each mode costs once the host is out of the loop.", "",
@@ -708,6 +743,11 @@ def main(argv=None) -> int:
         lines += [f"## Kernel: one decode step, Hq {args.heads} / Hk {args.kv_heads}, d{args.head_dim}, q_len {args.q_len}", "",
                   "GB/s = cache bytes read (scales included) / time. relL1 against float64 attention on the bf16 cache.", ""]
         lines += kernel_table(krows) + [""]
+        gpu_lines = kernel_gpu_table(krows)
+        if gpu_lines:
+            lines += ["GPU time alone (20 calls replayed from one CUDA graph, as a captured decode step runs them; the "
+                      "eager times above include each call's host time where it is longer than the GPU's):", ""]
+            lines += gpu_lines + [""]
     if srows:
         lines += [f"## Decode launch configurations: B{args.sweep_batch}, Hq {args.heads} / Hk {args.kv_heads}, "
                   f"d{args.head_dim}, q_len {args.q_len}", "",
