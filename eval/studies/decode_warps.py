@@ -4,7 +4,7 @@
         python3 eval/studies/decode_warps.py TAG [PRECISION]
 
 One line per (length, options): the installed decode kernel over a cache of PRECISION (default int8), Hq32/Hk8,
-batch B, head dim D, one query token; ``OPTS``: ``decode_launch.decode`` keywords, ';'-separated (``{}`` is the
+batch B, head dim D, NQ query tokens (default 1; several: a speculative step's, causal among themselves); ``OPTS``: ``decode_launch.decode`` keywords, ';'-separated (``{}`` is the
 default launch); CUDA events, median of 7 × 20 calls; ``err``: the largest difference to the default launch's
 output (split counts move the merge's rounding only). TAG ``base`` also times SDPA on the bf16 cache. For an A/B of
 kernel variants, run once per variant with ``KERNEL_VARIANT=decode:FILE`` (eval/kernel_variant.py).
@@ -38,12 +38,13 @@ from hf_qattn.kernels import decode_launch  # noqa: E402
 def main(tag: str, precision: str = "int8") -> None:
     print(f"{tag}: decode kernel from {kernel_variant.loaded_from('decode')}", flush=True)
     b, hq, hk, d = int(os.environ.get("B", 8)), 32, 8, int(os.environ.get("D", 128))
+    nq = int(os.environ.get("NQ", 1))
     all_opts = [json.loads(o) for o in os.environ.get("OPTS", "{}").split(";")]
     torch.manual_seed(0)
     for n in map(int, os.environ.get("LENS", "16384,65536").split(",")):
         k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
-        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
         buf, _, v_bar, nbytes = fill_cache(k, v, precision, "cuda")
         default = decode_launch.decode(q, buf, v_bar, n)
         for opts in all_opts:
@@ -54,7 +55,7 @@ def main(tag: str, precision: str = "int8") -> None:
                 sd = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                                calls=20, repeats=7)
                 sdpa = f" SDPA {sd * 1e3:.1f} µs"
-            print(f"| {tag} B{b} d{d} {opts} | {precision} | {n} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
+            print(f"| {tag} B{b} d{d}{f' nq{nq}' if nq > 1 else ''} {opts} | {precision} | {n} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
                   f"{err:.1e} |{sdpa}", flush=True)
         del k, v, buf
         torch.cuda.empty_cache()
