@@ -112,7 +112,7 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="time decode launch configurations (see above)")
     p.add_argument("--sweep-lengths", default="16k,64k")
     p.add_argument("--sweep-batch", type=int, default=8)
-    p.add_argument("--sweep-block-n", default="64,128")
+    p.add_argument("--sweep-block-n", default="32,64")  # INT8: at most per-token V's tile
     p.add_argument("--sweep-warps", default="4,8")
     p.add_argument("--sweep-stages", default="2,3,4")
     p.add_argument("--sweep-waves", default="1,2,4")

@@ -17,7 +17,7 @@ from . import tuning
 from .fast_launch import fast
 from .decode import append_kernel, decode_kernel
 
-from .formats import KV_GROUP as GROUP, LOG2E
+from .formats import KV_GROUP as GROUP, KV_V_TILE as V_TILE, LOG2E
 
 
 def group_q_rounding(device) -> torch.dtype | None:
@@ -30,9 +30,13 @@ def group_q_rounding(device) -> torch.dtype | None:
 def _check_buffers(buffers) -> tuple[bool, bool]:
     """(INT4, G8): the precision of ``buffers`` (``hf_qattn.kv_cache.reference.Buffers`` or any object with its
     fields): ``int4`` (4-bit K groups) or ``int8g`` (8-bit K and V groups), else per-token INT8 K and V. The
-    kernels index group scales and recent tokens assuming contiguous rows, G8's V by K's strides, and the
-    equalizers as (B·Hk, D) rows."""
+    kernels index group scales and recent tokens assuming contiguous rows, G8's V by K's strides, per-token V as
+    whole channel-major tiles, and the equalizers as (B·Hk, D) rows."""
     int4, g8 = buffers.precision == "int4", buffers.precision == "int8g"
+    vq = buffers.vq
+    if not g8 and (vq.dim() != 5 or vq.shape[-1] != V_TILE or vq.stride(-1) != 1 or vq.stride(-2) != V_TILE):
+        raise ValueError(f"{buffers.precision} buffers need per-token V in contiguous channel-major tiles "
+                         f"(B, Hk, CAP / {V_TILE}, D, {V_TILE}); got vq of shape {tuple(vq.shape)}")
     grouped = [buffers.ks, buffers.k_recent] + ([buffers.vs, buffers.v_recent] if g8 else [])
     if (int4 or g8) and any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in grouped):
         raise ValueError(f"{buffers.precision} buffers need contiguous group scales (…, 2, D) and recent rows (…, G, D)")
@@ -330,7 +334,8 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
     several splits, the last split program to finish merges them).
     ``block_n``, ``num_warps``, ``num_stages``, ``num_splits`` / ``waves``, ``maxnreg`` (the register cap per
     thread, 0 for none) tune the launch; left out, they come from :func:`tuning.decode_config` (grouped formats read
-    a group a tile: ``block_n`` is the group, ``KV_GROUP``).
+    a group a tile: ``block_n`` is the group, ``KV_GROUP``; per-token formats: a power of two that divides V's tiles,
+    ``KV_V_TILE``).
     ``launches``: a dict the caller keeps for ``buffers`` (a cache layer's, emptied when its storage moves), in
     which the launch is remembered, so that a decode step's next launch skips most of the host's work
     (``FastLauncher.launch_memo``).
@@ -347,6 +352,10 @@ def decode(q, buffers, v_bar, nk: int, *, sm_scale: float | None = None, causal:
         if ring is not None:
             raise ValueError(f"{buffers.precision} storage is not kept in rings (sliding-window / chunked cache layers "
                              "keep INT8)")
+    elif block_n is not None and (block_n < 16 or V_TILE % block_n):
+        # a key tile reads whole V tiles' columns without a key mask, so it must lie inside one V tile
+        raise ValueError(f"block_n must be a power of two from 16 to {V_TILE} (it divides per-token V's "
+                         f"{V_TILE}-token tiles) for {buffers.precision} storage; got {block_n}")
     groups = hq // hk
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)

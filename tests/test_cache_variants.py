@@ -208,6 +208,7 @@ def _sliding_reference(kind, span):
 @pytest.mark.parametrize("kind,span,steps", [
     ("sliding_attention", 8, [20] + [1] * 12),      # prompt past the window, decode across the ring's end
     ("sliding_attention", 21, [5] + [1] * 30),      # span not a whole block, filled one token at a time
+    ("sliding_attention", 2000, [1984] + [1] * 20),  # growth past 1984 held (a sixteenth: 2112) capped at 2048
     ("sliding_attention", 8, [3, 1, 1, 4, 1, 9, 1]),  # several-token steps over a filled ring
     ("chunked_attention", 8, [5] + [1] * 12),       # chunk boundaries crossed by one-token steps
     ("chunked_attention", 8, [6, 5, 1, 9, 1, 1]),   # steps that straddle a boundary, and one longer than a chunk
@@ -237,10 +238,14 @@ def test_window_layer_holds_what_the_next_query_sees(seed, kind, span, steps):
         assert first == max(seen - span, 0) and store.length == seen - first
 
 
-def test_one_token_read_of_a_ring_is_windowed_attention(seed):
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_one_token_read_of_a_ring_is_windowed_attention(seed, path, monkeypatch):
     """A one-token step over a wrapped ring (any slot order) against exact windowed attention over the whole
     history, and with left padding still inside the window (a range that wraps around the ring's end: the
-    kernel's cyclic range) or already out of it."""
+    kernel's cyclic range) or already out of it; by the kernel, and by the reference path where no kernel runs
+    (a CPU without the interpreter: the ring's slots re-cut in position order, V's tiles included)."""
+    if path == "reference":
+        monkeypatch.setattr(kv_attention, "_kernels_available", lambda device: False)
     span, d = 12, 16
     layer = qcache.QAttnWindowLayer("sliding_attention", span, "int8")
     k_all, v_all, _ = _feed(layer, [17, 1, 1, 1, 1, 1], d=d, b=2)
@@ -259,7 +264,7 @@ def test_one_token_read_of_a_ring_is_windowed_attention(seed):
         exact = reference.exact_attention(q, k_all, v_all, is_causal=True, window=span,
                                           kv_start=starts).transpose(1, 2)
         assert cosine(out, exact) >= 0.999
-    assert hf_qattn.fallback_stats() == {"calls": {"triton": 2}, "fallbacks": {}}
+    assert hf_qattn.fallback_stats() == {"calls": {path: 2}, "fallbacks": {}}
 
 
 def test_one_token_read_of_a_chunk_and_the_variants(seed):

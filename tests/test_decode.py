@@ -172,6 +172,23 @@ def test_rows_without_keys_are_zero(seed):
     assert mismatch(out, ref) is None, mismatch(out, ref)
 
 
+def test_bad_launch_arguments_and_storage_are_refused():
+    """A key tile must lie inside one of per-token V's tiles (its V load has no key mask), grouped formats read a
+    group a tile, and storage in another V layout is refused, not misread."""
+    k, v = outlier_kv(1, 2, 20, 32)
+    st = fill(k, v, "int8")
+    q = torch.randn(1, 4, 1, 32, device=DEVICE)
+    for block_n in (8, 128, 48):
+        with pytest.raises(ValueError, match="block_n must be a power of two from 16 to 64"):
+            decode_launch.decode(q, st["buf"], st["v_bar"], 20, block_n=block_n)
+    token_major = st["buf"]._replace(vq=kv_reference.token_major(st["buf"].vq).flatten(2, 3))
+    with pytest.raises(ValueError, match="channel-major tiles"):
+        decode_launch.decode(q, token_major, st["v_bar"], 20)
+    grouped = fill(k, v, "int4")
+    with pytest.raises(ValueError, match="block_n must be the group"):
+        decode_launch.decode(q, grouped["buf"], grouped["v_bar"], 20, block_n=16)
+
+
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 def test_split_merge_matches_reference_call_after_call(seed, precision):
     """The splits merged in the decode launch (by the last split program to arrive) match the reference,

@@ -115,7 +115,10 @@ def test_a_padded_step_is_appended_eagerly_and_attended_as_before(monkeypatch, f
 
     want, got = run(False), run(True)
     assert torch.equal(got.sequences, want.sequences)
-    assert torch.allclose(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=0)
+    # with step graphs a layer keeps its count on the device and a step's splits span its capacity (whole 64-token
+    # blocks), without them its length: the merge rounds differently (fp32, ≤ 1e-5 here); a padded key attended, or
+    # one left out, moves these logits by 1e-2 and more
+    assert torch.allclose(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=0)
     assert not fresh_stats()["fallbacks"]
 
 

@@ -74,6 +74,18 @@ def token_major(vq: torch.Tensor) -> torch.Tensor:
     return vq.transpose(-1, -2)
 
 
+def in_slot_order(buffers: Buffers, slots: torch.Tensor) -> Buffers:
+    """Per-token storage (INT8 K and V, as rings hold) whose slots 0, 1, … are ``slots`` of ``buffers``: a ring's
+    tokens in position order, for :func:`decode_attention`. V is re-cut into whole tiles of its own."""
+    if k_grouped(buffers.precision) or v_grouped(buffers.precision):
+        raise ValueError(f"in_slot_order takes per-token (int8) storage; got {buffers.precision!r}")
+    b, h, _, d, _ = buffers.vq.shape
+    vq = buffers.vq.new_zeros(b, h, -(-slots.numel() // V_TILE), d, V_TILE)
+    rows = torch.arange(slots.numel(), device=slots.device)
+    token_major(vq)[:, :, rows // V_TILE, rows % V_TILE] = token_major(buffers.vq)[:, :, slots // V_TILE, slots % V_TILE]
+    return buffers._replace(kq=buffers.kq[:, :, slots], ks=buffers.ks[:, :, slots], vq=vq, vs=buffers.vs[:, :, slots])
+
+
 def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: str, device,
              recent_dtype: torch.dtype = torch.bfloat16) -> Buffers:
     """Zeroed storage for at least ``capacity`` tokens, in whole groups (a grouped precision: the decode kernel
