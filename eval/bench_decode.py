@@ -11,8 +11,9 @@ cached tokens L ∈ {1k, 4k, 16k, 64k, 128k}, one query token:
   * qattn over the same bf16 cache (today's path: re-quantizes the whole cache every step);
   * the decode kernel over the quantized cache, INT8 K and INT4 K (both with INT8 V per token);
   * the append kernel alone, quantizing one new token per sequence into the cache (per step cost);
-  * the host time of one decode call (Python + launch, no synchronization): when it is close to
-    the GPU time the call is launch-bound, not bandwidth-bound;
+  * the host time of one decode call (Python + launch, no synchronization; the launch remembered as a cache
+    layer remembers it, ``launches=``): when it is close to the GPU time the call is launch-bound, not
+    bandwidth-bound;
   * on a GPU, the GPU time alone of SDPA's and each format's decode call (20 calls captured in one CUDA
     graph, as a replayed decode step runs them): the kernels' speed where an eager call's host time
     (≈ 60–90 µs) is near its GPU time (B8 16k) or above it (B1 up to 64k).
@@ -228,9 +229,10 @@ def kernel_rows(args, device, dtype):
                     try:
                         buf, k_bar, v_bar, qbytes = fill_cache(k, v, precision, device)
                         out = torch.empty(b, nq, hq, d, device=device, dtype=dtype)
+                        launches = {}  # remembered as a cache layer remembers its launch (its eager steps' host path)
 
                         def run():
-                            decode_launch.decode(q, buf, v_bar, n, out=out)
+                            decode_launch.decode(q, buf, v_bar, n, out=out, launches=launches)
 
                         us = time_us(run, args.calls, args.repeats)
                         row[f"{precision}_us"] = us
