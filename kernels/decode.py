@@ -61,8 +61,8 @@ import triton
 import triton.language as tl
 
 from .common import (G8_DIRECTED, G8_DITHERED, G8_LEVELS, INT4_DIRECTED, INT4_DITHERED, INT4_LEVELS, KV_GROUP,
-                     SCALE_FLOOR, V_OFFSET, V_TILE, group_dither, mul_rn, quantize_symmetric, reciprocal, round_half_even, to_bf16,
-                     to_bf16_toward)
+                     SCALE_FLOOR, V_OFFSET, V_TILE, group_dither, mul_rn, quantize_symmetric, reciprocal,
+                     round_half_even, to_bf16, to_bf16_toward)
 
 
 @triton.jit
@@ -245,7 +245,8 @@ def append_kernel(
                        KQ + b * stride_qb + hk * stride_qh + slots[:, None] * stride_qn, KS + s_off, bh, c, row_ok,
                        stride_kd, HEAD_DIM, GRID_ROUND, 0, 1)
     if not G8:  # V's tiles are channel-major (V_TILE slots a tile): a token is a column
-        v_cols = VQ + b * stride_wb + hk * stride_wh + (slots // V_TILE)[:, None] * stride_wn + (slots % V_TILE)[:, None]
+        v_cols = (VQ + b * stride_wb + hk * stride_wh + (slots // V_TILE)[:, None] * stride_wn
+                  + (slots % V_TILE)[:, None])
         _append_tokens(V + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn, V_BAR, V_EQ, v_cols, VS + s_off,
                        bh, c, row_ok, stride_vd, HEAD_DIM, GRID_ROUND, V_OFFSET, V_TILE)
 
