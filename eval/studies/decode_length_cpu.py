@@ -21,16 +21,9 @@ import kernel_variant  # noqa: E402
 kernel_variant.use_from_env()  # before hf_qattn: KERNEL_VARIANT=decode:FILE
 import torch  # noqa: E402
 
+from bench_decode import exact_decode  # noqa: E402  (float64 attention, eval/bench_decode.py)
 from hf_qattn.kernels import decode_launch  # noqa: E402
 from hf_qattn.kv_cache import reference as kv_reference  # noqa: E402
-
-
-def exact(q, k, v):
-    """float64 attention of one query token, (B, 1, Hq, D)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(groups, 1) for t in (k, v))
-    scores = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
 def main(lengths: str) -> None:
@@ -49,7 +42,7 @@ def main(lengths: str) -> None:
                 decode_launch.append(k, v, k_bar, v_bar, buffers, 0)
                 start = time.time()
                 out = decode_launch.decode(q, buffers, v_bar, n, num_splits=64).double()
-                ref = exact(q, k, v)
+                ref = exact_decode(q, k, v)
                 rel_l1 = ((out - ref).abs().sum() / ref.abs().sum()).item()
                 cos = torch.nn.functional.cosine_similarity((out - v_mean).flatten(), (ref - v_mean).flatten(),
                                                             dim=0).item()

@@ -260,8 +260,7 @@ def packed_attention(query: torch.Tensor, key: PackedKV, pattern, scaling: float
     if ring is not None:  # the slots in position order (INT8: rings hold no INT4), ranges as offsets from the oldest
         first, _ = layer.held_positions()
         slots = layer.chronological_slots()
-        buffers = reference.in_slot_order(reference.Buffers("int8", *buffers[1:5], None, None, k_eq=store.k_eq,
-                                                            v_eq=store.v_eq), slots)
+        buffers = reference.in_slot_order(store, slots)
         kv_start = (kv_start - first) % ring
         kv_end = kv_start + kv_end
     return reference.decode_attention(query, buffers, store.v_bar, nk, sm_scale=scaling, causal=pattern.causal,

@@ -62,10 +62,10 @@ def v_grouped(precision: str) -> bool:
 
 
 def block_tokens(precision: str) -> int:
-    """Capacities are whole multiples of this: the groups of a grouped precision, and per-token V's tiles
-    (``V_TILE``) of the others (the per-token scales' strides stay divisible by 16, so no kernel meets a new
-    specialization as a cache grows)."""
-    return GROUP if k_grouped(precision) else V_TILE
+    """Capacities are whole multiples of this: the groups of a grouped K (the decode kernel reads a group a tile)
+    and per-token V's tiles (``V_TILE``), whichever the format has (the per-token scales' strides stay divisible by
+    16, so no kernel meets a new specialization as a cache grows)."""
+    return math.lcm(GROUP if k_grouped(precision) else 1, 1 if v_grouped(precision) else V_TILE)
 
 
 def token_major(vq: torch.Tensor) -> torch.Tensor:
@@ -74,29 +74,29 @@ def token_major(vq: torch.Tensor) -> torch.Tensor:
     return vq.transpose(-1, -2)
 
 
-def in_slot_order(buffers: Buffers, slots: torch.Tensor) -> Buffers:
-    """Per-token storage (INT8 K and V, as rings hold) whose slots 0, 1, … are ``slots`` of ``buffers``: a ring's
-    tokens in position order, for :func:`decode_attention`. V is re-cut into whole tiles of its own."""
-    if k_grouped(buffers.precision) or v_grouped(buffers.precision):
-        raise ValueError(f"in_slot_order takes per-token (int8) storage; got {buffers.precision!r}")
-    b, h, _, d, _ = buffers.vq.shape
-    vq = buffers.vq.new_zeros(b, h, -(-slots.numel() // V_TILE), d, V_TILE)
+def in_slot_order(store, slots: torch.Tensor) -> Buffers:
+    """Per-token storage (INT8 K and V, as rings hold; ``store``: :class:`Buffers` or any object with its fields)
+    whose slots 0, 1, … are ``slots`` of ``store``: a ring's tokens in position order, for :func:`decode_attention`.
+    V is re-cut into whole tiles of its own."""
+    if store.precision != "int8":
+        raise ValueError(f"in_slot_order takes per-token (int8) storage; got {store.precision!r}")
+    b, h, _, d, _ = store.vq.shape
+    vq = store.vq.new_zeros(b, h, -(-slots.numel() // V_TILE), d, V_TILE)
     rows = torch.arange(slots.numel(), device=slots.device)
-    token_major(vq)[:, :, rows // V_TILE, rows % V_TILE] = token_major(buffers.vq)[:, :, slots // V_TILE, slots % V_TILE]
-    return buffers._replace(kq=buffers.kq[:, :, slots], ks=buffers.ks[:, :, slots], vq=vq, vs=buffers.vs[:, :, slots])
+    token_major(vq)[:, :, rows // V_TILE, rows % V_TILE] = token_major(store.vq)[:, :, slots // V_TILE, slots % V_TILE]
+    return Buffers("int8", store.kq[:, :, slots], store.ks[:, :, slots], vq, store.vs[:, :, slots], None,
+                   k_eq=store.k_eq, v_eq=store.v_eq)
 
 
 def allocate(batch: int, heads: int, capacity: int, head_dim: int, precision: str, device,
              recent_dtype: torch.dtype = torch.bfloat16) -> Buffers:
-    """Zeroed storage for at least ``capacity`` tokens, in whole groups (a grouped precision: the decode kernel
-    reads a group a tile) and whole tiles of per-token V (``V_TILE``); the capacity is ``kq.shape[2]``."""
+    """Zeroed storage for at least ``capacity`` tokens, in whole blocks (:func:`block_tokens`); the capacity is
+    ``kq.shape[2]``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     b, h, d = batch, heads, head_dim
-    if k_grouped(precision):
-        capacity = -(-capacity // GROUP) * GROUP
-    if not v_grouped(precision):
-        capacity = -(-capacity // V_TILE) * V_TILE
+    block = block_tokens(precision)
+    capacity = -(-capacity // block) * block
 
     def groups(values_shape, dtype):  # (values, scale and zero per group and channel, the incomplete group)
         return (torch.zeros(b, h, capacity, values_shape, device=device, dtype=dtype),
