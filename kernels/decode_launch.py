@@ -108,9 +108,12 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   (decode-warps-NVIDIA-H200-2026-11-28.md section 7), capped at the 128 registers they take anyway, so that the
 #   plan counts the six programs an SM holds (by shared memory), not four (255 registers a thread, uncapped);
 #   int8g at d64 capped at 168 for the same reason (it takes 156–164).
-#   Two stages (more programs an SM by shared memory): INT8 +4 % at B8 64k, INT4 +7 % (section 7). INT4 at d128
-#   four (BY_HEAD_DIM; four programs an SM, three tiles in flight each): −8 to −10 % at B8 64k / 128k against
-#   three; five lose, and so do four for INT8 (+2 to +7 %) and for INT4 at d64 (section 8).
+#   Stages at d128 (BY_HEAD_DIM) so that an SM holds a multiple of four one-warp programs: its four schedulers
+#   each issue for one warp, or two; a fifth warp doubles one scheduler's load, and that scheduler's programs
+#   finish last. INT4 (issue-bound) five stages, four programs an SM: B8 64k / 128k 209–217 / 401–414 µs against
+#   243–250 / 468–478 with four stages (five an SM by its 40 KB), −14 %; three stages (eight an SM) as fast as five.
+#   INT8 four stages, four an SM: −1 to −2 % against three (six an SM), two stages (eight an SM by registers) level
+#   (decode-warps-NVIDIA-H200-2026-11-28.md section 12). Two stages lose at d64 (section 8).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
@@ -130,10 +133,10 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   stages (MORE_ROWS applies after BY_HEAD_DIM: it undoes d128's four, measured for the one-warp tile only).
 # SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
-#   SM holds count it (one-warp INT8 programs: 8 by registers, 6 by shared memory at d128; at d64 capped at the 128
-#   registers they take, so that the plan counts the 11 an SM holds by shared memory); not listed: registers only.
+#   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; at d64 capped at the 128
+#   registers they take, so that the plan counts the 12 an SM holds by shared memory); not listed: registers only.
 #   The INT4 and int8g recent-token tiles are kept in the model's floats, so a float32 model's INT4 programs take
-#   more (d128: 44.3 KB against 40.2, five an SM either way); INT8 has no such tile. (The decode kernel does not
+#   more (d128: 57.3 KB against 53.2, four an SM either way); INT8 has no such tile. (The decode kernel does not
 #   pipeline that tile's loop: its stage buffers set INT4's bytes, 68 KB, and int8g's float32 ones, 137 KB, before;
 #   section 8.)
 # NUM_SPLITS: a fixed split count instead of the heuristic (the interpreter's 2, so the tests run the merge).

@@ -263,11 +263,13 @@ def test_resident_programs_follow_registers_and_shared_memory():
 def test_int8_tiles_of_many_rows_keep_four_warps():
     """One warp a program serves a decode step's tile; a tile of 64 rows (16 query tokens of a GQA-4 group)
     would hold its fp32 output in 256 registers a thread: it launches on four warps capped at 128, and its plan
-    counts programs by registers (the listed shared memory is the step tile's)."""
+    counts programs by registers (the listed shared memory is the step tile's), on three stages, not the four of a
+    step's one-warp tile at d128."""
     assert decode_launch.tile_rows(4, 16, False) == (16, 64, False)
-    assert decode_launch.kernel_options("int8", 128, False, rows=8) == {"num_warps": 1}
-    assert decode_launch.kernel_options("int8", 128, False, rows=16) == {"num_warps": 1}
-    assert decode_launch.kernel_options("int8", 128, False, rows=64) == {"num_warps": 4, "maxnreg": 128}
+    assert decode_launch.kernel_options("int8", 128, False, rows=8) == {"num_warps": 1, "num_stages": 4}
+    assert decode_launch.kernel_options("int8", 128, False, rows=16) == {"num_warps": 1, "num_stages": 4}
+    assert decode_launch.kernel_options("int8", 128, False, rows=64) == {"num_warps": 4, "num_stages": 3,
+                                                                         "maxnreg": 128}
     assert decode_launch.kernel_options("int8", 256, False, rows=64) == {"num_warps": 4}
 
 
@@ -309,7 +311,7 @@ def test_a_formats_launch_can_change_at_one_head_dim():
 
 def test_the_plan_reads_the_shared_memory_of_the_models_float_width():
     """INT4's recent-token tile is kept in the model's floats, so a float32 model's INT4 program takes more shared
-    memory (kernels.json's 32-bit row), and the plan counts the programs an SM holds from that row (at d128 five
+    memory (kernels.json's 32-bit row), and the plan counts the programs an SM holds from that row (at d128 four
     either way); INT8's and int8g's builds take the same bytes at both widths."""
     counts = {}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -322,9 +324,23 @@ def test_the_plan_reads_the_shared_memory_of_the_models_float_width():
     width = {dtype: decode_launch.default_shared_bytes("int4", 128, False, dtype) for dtype in (torch.bfloat16,
                                                                                                 torch.float32)}
     assert width[torch.float32] > width[torch.bfloat16]
-    assert counts[torch.bfloat16, "int4"] == counts[torch.float16, "int4"] == counts[torch.float32, "int4"] == 5
-    assert counts[torch.float32, "int8"] == counts[torch.bfloat16, "int8"] == 6
+    assert counts[torch.bfloat16, "int4"] == counts[torch.float16, "int4"] == counts[torch.float32, "int4"] == 4
+    assert counts[torch.float32, "int8"] == counts[torch.bfloat16, "int8"] == 4
     assert counts[torch.float32, "int8g"] == counts[torch.bfloat16, "int8g"] == 4
+
+
+@pytest.mark.parametrize("width", ["16-bit", "32-bit"])
+def test_default_launch_keeps_an_sms_schedulers_even(width):
+    """The programs an SM holds by the plan's count (kernels.json's launch and SHARED, a decode step's tile) make
+    a multiple of four warps: an SM's four schedulers each issue for the warps given to it, and a scheduler with
+    one warp more than the others finishes its programs last (INT4 d128 with five one-warp programs an SM ran 14 %
+    slower than with four; kernels/decode_launch.py's launch notes)."""
+    cfg = tuning.decode_config(False)
+    for precision, by_dim in cfg["SHARED"][width].items():
+        for d, shared in by_dim.items():
+            options = decode_launch.kernel_options(precision, int(d), False)
+            held = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"], shared)
+            assert held * options["num_warps"] % 4 == 0, (precision, d, options, held)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled GPU kernel")
