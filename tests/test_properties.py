@@ -140,6 +140,9 @@ def check_finite(case, out, lse, ranges):
 # head dim 1, NHD and HND compiled differently on the H100 (see the layouts' check below)
 @example(case={"b": 2, "hq": 2, "hk": 2, "nq": 1, "nk": 33, "d": 1, "dtype": torch.float32, "causal": False,
                "qk": "int8", "dist": "huge", "seed": 154192, "normalized": False, "kv_range": None})
+# and one whose LSEs the two layouts round 1.7e-6 apart (H200)
+@example(case={"b": 2, "hq": 6, "hk": 2, "nq": 31, "nk": 2, "d": 1, "dtype": torch.float32, "causal": False,
+               "qk": "int8", "dist": "huge", "seed": 1498, "normalized": False, "kv_range": None})
 def test_kernel_matches_reference_on_random_cases(case):
     q, k, v, ranges = make_inputs(case)
     sm_scale = score_scale(case, q, k)
@@ -161,13 +164,13 @@ def test_kernel_matches_reference_on_random_cases(case):
 
     # the NHD layout gives the very same bits. Except at head dim 1 on a GPU: there HND's token stride is 1, which
     # Triton compiles as a constant (another register layout of the loads, so other float32 summation orders; the
-    # H100 gave differences of 1.6e-6 of max |out| in float32, the interpreter none); the layouts then agree to the
-    # rounding of float32 sums (a wrong stride would differ by O(max |out|))
+    # H100 gave differences of 1.6e-6 of max |out| in float32, an H200 LSEs 1.7e-6 apart relatively, the interpreter
+    # none); the layouts then agree to the rounding of float32 sums (a wrong stride would differ by O(max |out|))
     out_nhd, lse_nhd = run(case, q, k, v, ranges, "NHD", sm_scale)
     if case["d"] == 1 and DEVICE == "cuda" and out.numel():
         bound = max(1e-5, 2 * torch.finfo(out.dtype).eps) * float(out.float().abs().max())
         torch.testing.assert_close(out_nhd, out, rtol=0, atol=bound)
-        torch.testing.assert_close(lse_nhd, lse, rtol=1e-6, atol=0)
+        torch.testing.assert_close(lse_nhd, lse, rtol=1e-5, atol=0)
     else:
         assert torch.equal(out_nhd, out) and torch.equal(lse_nhd, lse), "layouts differ"
 
