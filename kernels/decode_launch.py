@@ -129,8 +129,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   138.4 (−11 %; decode-NVIDIA-H200-2026-11-29.md and its previous run, section 6c); INT4 at one warp (above).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
-#   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168, on three
-#   stages (MORE_ROWS applies after BY_HEAD_DIM: it undoes d128's four, measured for the one-warp tile only).
+#   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168; both on three
+#   stages (MORE_ROWS applies after BY_HEAD_DIM: it undoes d128's four / five, measured for the one-warp tile only;
+#   the multi-token launches measured so far: decode-warps-*-2026-11-28.md section 12).
 # SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
 #   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; at d64 capped at the 128
