@@ -106,14 +106,15 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   instructions 3,036 → 1,321, offline): B8 64k 313 µs against 456 with four warps capped at 168 (−31 %), B1 128k
 #   −26 %; at d64 two warps (BY_HEAD_DIM: a format's launch for one padded head dim): −42 % against −25 % with one
 #   (decode-warps-NVIDIA-H200-2026-11-28.md section 7), capped at the 128 registers they take anyway, so that the
-#   plan counts the six programs an SM holds (by shared memory), not four (255 registers a thread, uncapped);
+#   plan counts the eight programs an SM holds (by registers at that cap), not four (255 registers, uncapped);
 #   int8g at d64 capped at 168 for the same reason (it takes 156–164).
 #   Stages at d128 (BY_HEAD_DIM) so that an SM holds a multiple of four one-warp programs: its four schedulers
 #   each issue for one warp, or two; a fifth warp doubles one scheduler's load, and that scheduler's programs
 #   finish last. INT4 (issue-bound) five stages, four programs an SM: B8 64k / 128k 209–217 / 401–414 µs against
-#   243–250 / 468–478 with four stages (five an SM by its 40 KB), −14 %; three stages (eight an SM) as fast as five.
-#   INT8 four stages, four an SM: −1 to −2 % against three (six an SM), two stages (eight an SM by registers) level
-#   (decode-warps-NVIDIA-H200-2026-11-28.md section 12). Two stages lose at d64 (section 8).
+#   243–250 / 468–478 with four stages (five an SM by its 40 KB), −14 %; three stages (eight an SM) level at
+#   128k, 2–3 % slower at 64k. INT8 four stages, four an SM: −1 to −2 % against three (six an SM); two stages
+#   (eight an SM by registers) +1 to +4 % against four (decode-warps-NVIDIA-H200-2026-11-28.md section 12).
+#   Two stages lose at d64 (section 8).
 # launch_wide (past WIDE_ABOVE): four warps, no cap (the INT4 tile of several query tokens needs more than 168);
 #   int8g one stage, where Triton 3.6 stages 128 KiB a stage at d256 (3 stages: 393 KiB of shared memory, past the
 #   H100's 227 KiB; 1 stage: 96 KiB).
@@ -129,9 +130,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   138.4 (−11 %; decode-NVIDIA-H200-2026-11-29.md and its previous run, section 6c); INT4 at one warp (above).
 # MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
 #   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
-#   those tiles keep the four warps capped at 128 of before (not re-measured); INT4's likewise at 168; both on three
-#   stages (MORE_ROWS applies after BY_HEAD_DIM: it undoes d128's four / five, measured for the one-warp tile only;
-#   the multi-token launches measured so far: decode-warps-*-2026-11-28.md section 12).
+#   those tiles keep four warps capped at 128; INT4's likewise at 168; both on three stages (MORE_ROWS applies after
+#   BY_HEAD_DIM: it undoes d128's four / five, measured for the one-warp tile only). Four warps uncapped ran 5–23 %
+#   faster in one round (decode-warps-*-2026-11-28.md section 12): not shipped before a second.
 # SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
 #   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
 #   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; at d64 capped at the 128

@@ -333,8 +333,8 @@ def test_the_plan_reads_the_shared_memory_of_the_models_float_width():
 def test_default_launch_keeps_an_sms_schedulers_even(width):
     """The programs an SM holds by the plan's count (kernels.json's launch and SHARED, a decode step's tile) make
     a multiple of four warps: an SM's four schedulers each issue for the warps given to it, and a scheduler with
-    one warp more than the others finishes its programs last (INT4 d128 with five one-warp programs an SM ran 14 %
-    slower than with four; kernels/decode_launch.py's launch notes)."""
+    one warp more than the others finishes its programs last (INT4 d128 with four one-warp programs an SM ran 14 %
+    faster than with five; kernels/decode_launch.py's launch notes)."""
     cfg = tuning.decode_config(False)
     for precision, by_dim in cfg["SHARED"][width].items():
         for d, shared in by_dim.items():
