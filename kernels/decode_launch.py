@@ -133,10 +133,14 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   those tiles keep four warps capped at 128; INT4's likewise at 168; both on three stages (MORE_ROWS applies after
 #   BY_HEAD_DIM: it undoes d128's four / five, measured for the one-warp tile only). Four warps uncapped ran 5–23 %
 #   faster in one round (decode-warps-*-2026-11-28.md section 12): not shipped before a second.
-# SHARED: a program's shared memory with the default launch (a decode step's tile: INT8's keys as rows, 8 rows) by
-#   the width of the cache's floats, format and padded head dim (Triton 3.6's sm90 build), so that the programs an
-#   SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; at d64 capped at the 128
-#   registers they take, so that the plan counts the 12 an SM holds by shared memory); not listed: registers only.
+# SHARED: a program's shared memory with the default launch by the width of the cache's floats, format, padded head
+#   dim and the tile's padded rows (8: a decode step's, the keys as the dots' rows; 16: GQA-16 steps, or a few query
+#   tokens a step; 32 and 64 on MORE_ROWS: MQA steps, speculative steps) (Triton 3.6's sm90 builds), so that the
+#   programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; at d64 capped
+#   at the 128 registers they take, so that the plan counts the 12 an SM holds by shared memory); not listed (d256):
+#   registers only. The larger tiles take more: counted by the step tile's bytes, INT4 d128's 16-row programs were
+#   planned four an SM where three fit (58.4 KB), int8g d128's 32-row ones four where three, a plan's last round
+#   short; the 16-row one-warp tiles are also uneven on the schedulers (three or eleven an SM) and spill (section 12).
 #   The INT4 and int8g recent-token tiles are kept in the model's floats, so a float32 model's INT4 programs take
 #   more (d128: 57.3 KB against 53.2, four an SM either way); INT8 has no such tile. (The decode kernel does not
 #   pipeline that tile's loop: its stage buffers set INT4's bytes, 68 KB, and int8g's float32 ones, 137 KB, before;
@@ -232,12 +236,13 @@ def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 
 
 @functools.lru_cache(maxsize=None)
 def default_shared_bytes(precision: str, head_dim: int, interpreting: bool,
-                         cache_dtype: torch.dtype = torch.bfloat16) -> int:
-    """A program's shared memory with the default launch of ``precision`` at ``head_dim`` over a cache whose
-    recent-token tiles are ``cache_dtype`` (kernels.json's ``SHARED``, Triton's sm90 build), or 0 where not listed."""
+                         cache_dtype: torch.dtype = torch.bfloat16, rows: int = 8) -> int:
+    """A program's shared memory with the default launch of ``precision`` at ``head_dim`` for tiles of ``rows``
+    padded rows (:func:`tile_rows`) over a cache whose recent-token tiles are ``cache_dtype`` (kernels.json's
+    ``SHARED``, Triton's sm90 build), or 0 where not listed."""
     width = f"{cache_dtype.itemsize * 8}-bit"
-    d_pad = tuning.padded_head_dim(head_dim)
-    return tuning.decode_config(interpreting).get("SHARED", {}).get(width, {}).get(precision, {}).get(str(d_pad), 0)
+    by_rows = tuning.decode_config(interpreting).get("SHARED", {}).get(width, {}).get(precision, {})
+    return by_rows.get(str(tuning.padded_head_dim(head_dim)), {}).get(str(rows), 0)
 
 
 def plan_launch(b: int, hk: int, groups: int, nq: int, nk: int, device: torch.device, options: dict, *,
@@ -278,9 +283,9 @@ def plan_decode(precision: str, q_shape: tuple, hk: int, nk: int, device: torch.
     _, rows, keys_as_rows = tile_rows(hq // hk, nq, on_cpu, step_launch.get("KEYS_AS_ROWS_UP_TO", 0))
     options = kernel_options(precision, d, on_cpu, rows=rows, num_warps=num_warps, num_stages=num_stages,
                              maxnreg=maxnreg)
-    # the launch kernels.json sets is the one whose programs' shared memory it lists (a decode step's tile)
+    # the launch kernels.json sets is the one whose programs' shared memory it lists (by the tile's rows)
     default_launch = num_warps is None and num_stages is None and maxnreg is None and block_n is None
-    shared = default_shared_bytes(precision, d, on_cpu, cache_dtype) if default_launch and rows <= 16 else 0
+    shared = default_shared_bytes(precision, d, on_cpu, cache_dtype, rows) if default_launch else 0
     if precision in ("int4", "int8g"):
         block_n = GROUP  # a group a tile
     launch = _default_launch(precision, d_pad, on_cpu, rows)

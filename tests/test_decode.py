@@ -329,17 +329,35 @@ def test_the_plan_reads_the_shared_memory_of_the_models_float_width():
     assert counts[torch.float32, "int8g"] == counts[torch.bfloat16, "int8g"] == 4
 
 
+def test_the_plan_counts_the_programs_of_the_tile_it_launches(monkeypatch):
+    """A tile of more rows takes more shared memory (kernels.json's SHARED by rows): INT4 d128's 16-row tile (four
+    query tokens of a GQA-4 group, or a GQA-16 step) 58.4 KB, three programs an SM where the step tile's 53.2 KB
+    hold four; the plan counts three, so its splits fill whole rounds of the programs that fit (an H100's 132 SMs)."""
+    monkeypatch.setattr(tuning, "sm_count", lambda index: 132)
+
+    def resident(precision, nq, groups=4):
+        options, plan = decode_launch.plan_decode(precision, (8, 8 * groups, nq, 128), 8, 65536,
+                                                  torch.device("cuda", 0), interpreting=False)
+        shared = decode_launch.default_shared_bytes(precision, 128, False, torch.bfloat16, plan["BLOCK_M"])
+        return plan["BLOCK_M"], decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
+                                                                shared), plan["num_splits"]
+
+    assert resident("int4", 1) == (8, 4, 8)  # 132 SMs × 4 over 64 (batch · kv head) programs: 8 splits, one round
+    assert resident("int4", 4) == resident("int4", 1, groups=16) == (16, 3, 6)  # 132 × 3 over 64: 6 splits
+    assert resident("int8g", 8) == (32, 3, 6)  # two warps: 4 by registers, 3 by shared memory
+
+
 @pytest.mark.parametrize("width", ["16-bit", "32-bit"])
 def test_default_launch_keeps_an_sms_schedulers_even(width):
-    """The programs an SM holds by the plan's count (kernels.json's launch and SHARED, a decode step's tile) make
-    a multiple of four warps: an SM's four schedulers each issue for the warps given to it, and a scheduler with
+    """The programs an SM holds by the plan's count (kernels.json's launch and SHARED, a decode step's 8-row tile)
+    make a multiple of four warps: an SM's four schedulers each issue for the warps given to it, and a scheduler with
     one warp more than the others finishes its programs last (INT4 d128 with four one-warp programs an SM ran 14 %
     faster than with five; kernels/decode_launch.py's launch notes)."""
     cfg = tuning.decode_config(False)
     for precision, by_dim in cfg["SHARED"][width].items():
-        for d, shared in by_dim.items():
-            options = decode_launch.kernel_options(precision, int(d), False)
-            held = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"], shared)
+        for d, by_rows in by_dim.items():
+            options = decode_launch.kernel_options(precision, int(d), False, rows=8)
+            held = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"], by_rows["8"])
             assert held * options["num_warps"] % 4 == 0, (precision, d, options, held)
 
 
@@ -347,27 +365,29 @@ def test_default_launch_keeps_an_sms_schedulers_even(width):
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d, dtype):
+@pytest.mark.parametrize("nq", [1, 4, 8, 16], ids=["rows8", "rows16", "rows32", "rows64"])
+def test_default_launch_holds_the_programs_its_plan_counts(seed, precision, d, dtype, nq):
     """The programs an SM holds by the compiled decode kernel's own registers and shared memory are the ones the
-    split plan counts from kernels.json (``launch``, ``SHARED``) for a model of ``dtype`` (the recent-token tiles
-    are kept in it): a Triton that builds the kernel larger would leave the plan's last round short of room."""
+    split plan counts from kernels.json (``launch``, ``SHARED`` by the tile's rows: a step of a GQA-4 model, and
+    4 / 8 / 16 query tokens a step) for a model of ``dtype`` (the recent-token tiles are kept in it): a Triton that
+    builds the kernel larger would leave the plan's last round short of room."""
     from hf_qattn.kernels import fast_launch
 
     if not fast_launch.enabled():
         pytest.skip("the compiled kernel is read from the fast launcher's memo")
     k, v = outlier_kv(2, 2, 4096, d)
     st = fill(k.to(dtype), v.to(dtype), precision)  # a model's cache (recent tokens in its floats)
-    q = torch.randn(2, 8, 1, d, device=DEVICE, dtype=dtype)
+    q = torch.randn(2, 8, nq, d, device=DEVICE, dtype=dtype)
     memo = {}
     decode_launch.decode(q, st["buf"], st["v_bar"], 4096, launches=memo)
     options, plan = decode_launch.plan_decode(precision, q.shape, 2, 4096, q.device, cache_dtype=dtype)
-    assert plan["num_splits"] > 1
+    assert plan["num_splits"] > 1 and plan["BLOCK_M"] == {1: 8, 4: 16, 8: 32, 16: 64}[nq]
     (kernel, *_), = memo.values()
     regs = -(-kernel.n_regs // 8) * 8  # registers are given out in eights a thread
     held = decode_launch.resident_programs(regs, kernel.metadata.num_warps, kernel.metadata.shared)
-    listed = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"],
-                                             decode_launch.default_shared_bytes(precision, d, False, dtype))
-    assert held == listed, (kernel.n_regs, kernel.metadata.shared)
+    shared = decode_launch.default_shared_bytes(precision, d, False, dtype, plan["BLOCK_M"])
+    listed = decode_launch.resident_programs(options.get("maxnreg", 0), options["num_warps"], shared)
+    assert shared > 0 and held == listed, (kernel.n_regs, kernel.metadata.shared, shared)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "int8g"])

@@ -13,8 +13,8 @@ kernel variants, run once per variant with ``KERNEL_VARIANT=decode:FILE`` (eval/
         python3 eval/studies/decode_warps.py TAG int4
 
 ``VARIANTS``: launches of PRECISION to A/B in one process, in turns for ROUNDS rounds: each overrides kernels.json's
-launch of the format in memory (its keys, as ``decode.default.launch``) and its 16-bit ``SHARED`` bytes at d64 /
-d128 (from ``eval/inspect_kernel.py --decode``), so that the split plan counts that launch's programs, as the
+launch of the format in memory (its keys, as ``decode.default.launch``) and its 16-bit ``SHARED`` bytes of a step's
+8-row tile at d64 / d128 (from ``eval/inspect_kernel.py --decode``), so that the split plan counts that launch's programs, as the
 shipped launch's; the lines are tagged TAG/name and print the plan's split count.
 Results: eval/results/decode-warps-NVIDIA-H200-2026-11-28.md.
 """
@@ -74,7 +74,9 @@ def variants(tag: str, precision: str = "int8") -> None:
             name, rest = spec.split("=", 1)
             launch, shared = rest.rsplit("@", 1)
             config["launch"][precision] = {**shipped, **json.loads(launch)}
-            config["SHARED"]["16-bit"][precision] = dict(zip(("64", "128"), map(int, shared.split(","))))
+            listed = config["SHARED"]["16-bit"][precision]
+            config["SHARED"]["16-bit"][precision] = {dim: {**listed[dim], "8": int(step)}  # a step's 8-row tile
+                                                     for dim, step in zip(("64", "128"), shared.split(","))}
             decode_launch._default_launch.cache_clear()
             decode_launch.default_shared_bytes.cache_clear()
             b, d = int(os.environ.get("B", 8)), int(os.environ.get("D", 128))
