@@ -263,8 +263,8 @@ def test_resident_programs_follow_registers_and_shared_memory():
 def test_int8_tiles_of_many_rows_keep_four_warps():
     """One warp a program serves a decode step's tile; a tile of 64 rows (16 query tokens of a GQA-4 group)
     would hold its fp32 output in 256 registers a thread: it launches on four warps capped at 128, and its plan
-    counts programs by registers (the listed shared memory is the step tile's), on three stages, not the four of a
-    step's one-warp tile at d128."""
+    counts programs by registers and its own tile's shared memory (SHARED's 64-row entry), on three stages, not the
+    four of a step's one-warp tile at d128."""
     assert decode_launch.tile_rows(4, 16, False) == (16, 64, False)
     assert decode_launch.kernel_options("int8", 128, False, rows=8) == {"num_warps": 1, "num_stages": 4}
     assert decode_launch.kernel_options("int8", 128, False, rows=16) == {"num_warps": 1, "num_stages": 4}

@@ -14,8 +14,8 @@ kernel variants, run once per variant with ``KERNEL_VARIANT=decode:FILE`` (eval/
 
 ``VARIANTS``: launches of PRECISION to A/B in one process, in turns for ROUNDS rounds: each overrides kernels.json's
 launch of the format in memory (its keys, as ``decode.default.launch``) and its 16-bit ``SHARED`` bytes of a step's
-8-row tile at d64 / d128 (from ``eval/inspect_kernel.py --decode``), so that the split plan counts that launch's programs, as the
-shipped launch's; the lines are tagged TAG/name and print the plan's split count.
+8-row tile at d64 / d128 (from ``eval/inspect_kernel.py --decode``), so that the split plan counts that launch's
+programs, as the shipped launch's; the lines are tagged TAG/name and print the plan's split count.
 Results: eval/results/decode-warps-NVIDIA-H200-2026-11-28.md.
 """
 
