@@ -122,17 +122,11 @@ def test_decode_kernel_ring_ranges(seed, splits):
     out = decode_launch.decode(q, st["buf"], st["v_bar"], span,
                                kv_start=first, kv_end=count, ring=span, num_splits=splits, block_n=16,
                                softcap=4.0, k_bar=st["k_bar"])
-    tile = kv_reference.V_TILE
     for b in range(3):
         slots = (first[b] + torch.arange(int(count[b]), device=DEVICE)) % span
-        kq, ks, vq, vs = (t[b:b + 1] for t in st["buf"][1:5])
-        # the ring's slots in position order (V's channel-major tiles re-cut: kv_reference.token_major)
-        rows = torch.arange(slots.numel(), device=DEVICE)
-        vq_in_order = vq.new_zeros(*vq.shape[:2], -(-slots.numel() // tile), *vq.shape[3:])
-        kv_reference.token_major(vq_in_order)[:, :, rows // tile, rows % tile] = \
-            kv_reference.token_major(vq)[:, :, slots // tile, slots % tile]
-        ring = kv_reference.Buffers("int8", kq[:, :, slots], ks[:, :, slots], vq_in_order, vs[:, :, slots], None, None,
-                                    *(t[b:b + 1] for t in st["buf"][7:]))
+        sequence = kv_reference.Buffers("int8", *(t[b:b + 1] for t in st["buf"][1:5]), None, None,
+                                        *(t[b:b + 1] for t in st["buf"][7:]))
+        ring = kv_reference.in_slot_order(sequence, slots)  # the ring's slots in position order
         ref = kv_reference.decode_attention(q[b:b + 1], ring, st["v_bar"][b:b + 1], int(count[b]), softcap=4.0,
                                             k_bar=st["k_bar"][b:b + 1])
         assert mismatch(out[b:b + 1], ref) is None, (b, mismatch(out[b:b + 1], ref))

@@ -69,9 +69,14 @@ def block_tokens(precision: str) -> int:
 
 
 def token_major(vq: torch.Tensor) -> torch.Tensor:
-    """Per-token V's tiles (B, H, CAP / V_TILE, D, V_TILE) as a (B, H, CAP / V_TILE, V_TILE, D) view: ``view[:, :,
-    slot // V_TILE, slot % V_TILE]`` is a slot's row."""
+    """Per-token V's tiles (B, H, CAP / V_TILE, D, V_TILE) as a (B, H, CAP / V_TILE, V_TILE, D) view, whose
+    ``[slot_rows(slots)]`` are those slots' rows (to read or to write)."""
     return vq.transpose(-1, -2)
+
+
+def slot_rows(slots: torch.Tensor) -> tuple:
+    """The index of ``slots``' rows in :func:`token_major`'s view: tile slot // V_TILE, column slot % V_TILE."""
+    return slice(None), slice(None), slots // V_TILE, slots % V_TILE
 
 
 def in_slot_order(store, slots: torch.Tensor) -> Buffers:
@@ -83,7 +88,7 @@ def in_slot_order(store, slots: torch.Tensor) -> Buffers:
     b, h, _, d, _ = store.vq.shape
     vq = store.vq.new_zeros(b, h, -(-slots.numel() // V_TILE), d, V_TILE)
     rows = torch.arange(slots.numel(), device=slots.device)
-    token_major(vq)[:, :, rows // V_TILE, rows % V_TILE] = token_major(store.vq)[:, :, slots // V_TILE, slots % V_TILE]
+    token_major(vq)[slot_rows(rows)] = token_major(store.vq)[slot_rows(slots)]
     return Buffers("int8", store.kq[:, :, slots], store.ks[:, :, slots], vq, store.vs[:, :, slots], None,
                    k_eq=store.k_eq, v_eq=store.v_eq)
 
@@ -268,7 +273,7 @@ def append(k: torch.Tensor, v: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.T
     else:
         v_hat, buffers.vs[:, :, pos0: pos0 + n] = quantize_tokens(vc, buffers.v_eq)
         slots = torch.arange(pos0, pos0 + n, device=v_hat.device)
-        token_major(buffers.vq)[:, :, slots // V_TILE, slots % V_TILE] = (v_hat.to(torch.int16) + V_OFFSET).to(torch.uint8)
+        token_major(buffers.vq)[slot_rows(slots)] = (v_hat.to(torch.int16) + V_OFFSET).to(torch.uint8)
 
 
 def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots: torch.Tensor | None):
@@ -280,7 +285,7 @@ def _dequantize(buffers: Buffers, which: str, d: int, length: int, dtype, slots:
         eq = getattr(buffers, which + "_eq")[:, :, None, :d].to(dtype)
         if which == "v":  # offset binary, channel-major tiles
             slots = torch.arange(length, device=values.device) if slots is None else slots
-            values = token_major(values)[:, :, slots // V_TILE, slots % V_TILE, :d].to(dtype) - V_OFFSET
+            values = token_major(values)[slot_rows(slots)][..., :d].to(dtype) - V_OFFSET
         else:
             values = values[:, :, index, :d].to(dtype)
         return values * scales[:, :, index, None].to(dtype) * eq
