@@ -128,19 +128,28 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   reloads in the loop): B8 64k −16 %, B1 128k −10 % a step (H200, decode-warps-*-2026-11-28.md section 6).
 #   int8g (two warps) likewise: B8 64k 384–398 µs against 465–470 with the rows tile (−16 %), B1 128k 122.6 against
 #   138.4 (−11 %; decode-NVIDIA-H200-2026-11-29.md and its previous run, section 6c); INT4 at one warp (above).
-# MORE_ROWS: a format's launch for tiles of more than 16 rows (several query tokens a step): INT8's one warp would
-#   hold 64 rows × 128 channels of fp32 output in 256 registers a thread (25 KB of spills, offline sm_90 build), so
-#   those tiles keep four warps capped at 128; INT4's likewise at 168; both on three stages (MORE_ROWS applies after
-#   BY_HEAD_DIM: it undoes d128's four / five, measured for the one-warp tile only). Four warps uncapped ran 5–23 %
-#   faster in one round (decode-warps-*-2026-11-28.md section 12): not shipped before a second.
+# BY_ROWS: a format's launch for tiles of so many padded rows (several query tokens a step, GQA-16 and MQA steps),
+#   applied after BY_HEAD_DIM (a BY_ROWS inside BY_HEAD_DIM replaces the format's at that head dim). A one-warp
+#   program would hold 32 or 64 rows × 128 channels of fp32 output (INT8 64 rows: 25 KB of spills, offline sm_90
+#   build), so those tiles take four warps on three stages (undoing d128's four / five, set for the one-warp tile).
+#   At d128 uncapped (INT8 242–248 registers, no spills; INT8 capped at 128 and INT4 at 168 spilled 0.5–3.1 KB with
+#   local loads in the loop):
+#   B8 64k INT8 32 / 64 rows 516–520 / 517–529 µs against 665–666 / 822 capped at 128 (−22 / −36 %), INT4 633–643 /
+#   911 against 663–673 / 1,385–1,389 at 168 (−4 / −34 %). INT4 d128's 16-row tile (four query tokens of a GQA-4
+#   group) also on four warps, at 168 (three programs an SM; no loop spills offline, where one warp on five stages
+#   spilled 1.6 KB with 60 local loads in its loop): 372–382 µs against 744–756 (−50 %), 3–4 % faster than uncapped;
+#   INT8's 16-row tile stays on one warp (270–278 µs against 319–336 on four). At d64 the 16-row tiles keep the step's
+#   launch (B8 64k INT8 196–203 µs, INT4 225, against 250–339 on four warps) and 32 / 64 rows keep four warps capped
+#   (the plan counts programs by the cap: uncapped it would count two an SM where the kernel's own registers hold
+#   more); not measured against uncapped there (decode-warps-*-2026-11-28.md section 13).
 # SHARED: a program's shared memory with the default launch by the width of the cache's floats, format, padded head
 #   dim and the tile's padded rows (8: a decode step's, the keys as the dots' rows; 16: GQA-16 steps, or a few query
-#   tokens a step; 32 and 64 on MORE_ROWS: MQA steps, speculative steps) (Triton 3.6's sm90 builds), so that the
+#   tokens a step; 32 and 64: MQA steps, speculative steps) (Triton 3.6's sm90 builds), so that the
 #   programs an SM holds count it (one-warp INT8 programs: 8 by registers, 4 by shared memory at d128; at d64 capped
 #   at the 128 registers they take, so that the plan counts the 12 an SM holds by shared memory); not listed (d256):
-#   registers only. The larger tiles take more: counted by the step tile's bytes, INT4 d128's 16-row programs were
-#   planned four an SM where three fit (58.4 KB), int8g d128's 32-row ones four where three, a plan's last round
-#   short; the 16-row one-warp tiles are also uneven on the schedulers (three or eleven an SM) and spill (section 12).
+#   registers only. The larger tiles take more (int8g d128's 32-row programs 62.5 KB: three an SM, where the step
+#   tile's bytes would count four, and the plan's last round run short); INT8 d64's 16-row one-warp tile is uneven
+#   on the schedulers (eleven an SM) and spills (section 12b).
 #   The INT4 and int8g recent-token tiles are kept in the model's floats, so a float32 model's INT4 programs take
 #   more (d128: 57.3 KB against 53.2, four an SM either way); INT8 has no such tile. (The decode kernel does not
 #   pipeline that tile's loop: its stage buffers set INT4's bytes, 68 KB, and int8g's float32 ones, 137 KB, before;
@@ -209,7 +218,7 @@ def tile_rows(groups: int, nq: int, interp: bool, keys_as_rows_up_to: int = 0) -
     return qt, max(8 if keys_as_rows else 16, 1 << (real - 1).bit_length()), keys_as_rows
 
 
-def kernel_options(precision: str, head_dim: int, interpreting: bool, *, rows: int = 16,
+def kernel_options(precision: str, head_dim: int, interpreting: bool, *, rows: int = 8,
                    num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None) -> dict:
     """The decode kernel's launch options for a cache of ``precision`` ("int8", "int4" or "int8g") and tiles of
     ``rows`` rows (:func:`tile_rows`): warps, stages where set, the register cap where there is one (kernels.json's
@@ -225,13 +234,13 @@ def kernel_options(precision: str, head_dim: int, interpreting: bool, *, rows: i
 
 
 @functools.lru_cache(maxsize=None)
-def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 16) -> dict:
+def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 8) -> dict:
     """kernels.json's launch of ``precision`` at ``d_pad`` for tiles of ``rows`` rows (cached, read-only: a decode
     step's host path asks for it)."""
     settings = tuning.decode_config(interpreting)
     launch = settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
     launch = {**launch, **launch.get("BY_HEAD_DIM", {}).get(str(d_pad), {})}
-    return {**launch, **launch["MORE_ROWS"]} if rows > 16 and "MORE_ROWS" in launch else launch
+    return {**launch, **launch.get("BY_ROWS", {}).get(str(rows), {})}
 
 
 @functools.lru_cache(maxsize=None)

@@ -260,17 +260,25 @@ def test_resident_programs_follow_registers_and_shared_memory():
     assert decode_launch.resident_programs(168, 4, 37376) == 3  # registers bind
 
 
-def test_int8_tiles_of_many_rows_keep_four_warps():
-    """One warp a program serves a decode step's tile; a tile of 64 rows (16 query tokens of a GQA-4 group)
-    would hold its fp32 output in 256 registers a thread: it launches on four warps capped at 128, and its plan
-    counts programs by registers and its own tile's shared memory (SHARED's 64-row entry), on three stages, not the
-    four of a step's one-warp tile at d128."""
+def test_tiles_of_many_rows_take_four_warps():
+    """One warp a program serves a decode step's tile; a tile of 32 or 64 rows (8 or 16 query tokens of a GQA-4
+    group) would hold its fp32 output in 128–256 registers a thread: kernels.json's BY_ROWS launches it on four
+    warps and three stages (not the four / five of a step's one-warp tile at d128), uncapped at d128 and capped at
+    d64 (where the plan counts programs by the cap); INT4 d128's 16-row tile on four warps at 168, INT8's on the
+    step's one warp; past WIDE_ABOVE the wide launch whatever the rows."""
     assert decode_launch.tile_rows(4, 16, False) == (16, 64, False)
-    assert decode_launch.kernel_options("int8", 128, False, rows=8) == {"num_warps": 1, "num_stages": 4}
-    assert decode_launch.kernel_options("int8", 128, False, rows=16) == {"num_warps": 1, "num_stages": 4}
-    assert decode_launch.kernel_options("int8", 128, False, rows=64) == {"num_warps": 4, "num_stages": 3,
-                                                                         "maxnreg": 128}
-    assert decode_launch.kernel_options("int8", 256, False, rows=64) == {"num_warps": 4}
+    options = decode_launch.kernel_options
+    assert options("int8", 128, False, rows=8) == options("int8", 128, False, rows=16) == {"num_warps": 1,
+                                                                                           "num_stages": 4}
+    for rows in (32, 64):
+        assert options("int8", 128, False, rows=rows) == options("int4", 128, False, rows=rows) == {
+            "num_warps": 4, "num_stages": 3}
+        assert options("int8", 64, False, rows=rows) == {"num_warps": 4, "num_stages": 3, "maxnreg": 128}
+        assert options("int4", 64, False, rows=rows) == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
+    assert options("int4", 128, False, rows=16) == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
+    assert options("int4", 64, False, rows=16) == {"num_warps": 2, "maxnreg": 128}
+    assert options("int8", 256, False, rows=64) == {"num_warps": 4}
+    assert decode_launch._default_launch("int8", 128, False, 64)["MAX_SPLITS"] == 32
 
 
 def test_few_query_rows_put_the_keys_on_the_dots_rows():
@@ -301,8 +309,8 @@ def test_grouped_tiles_with_the_keys_as_rows_match_the_reference(seed, precision
 
 
 def test_a_formats_launch_can_change_at_one_head_dim():
-    """kernels.json's BY_HEAD_DIM: INT4 runs two warps at head dim 64 (and 33–64, padded), one at 128; tiles of more
-    than 16 rows still take MORE_ROWS' launch at any head dim."""
+    """kernels.json's BY_HEAD_DIM: INT4 runs two warps at head dim 64 (and 33–64, padded), one at 128; tiles of 32
+    rows take four warps at any head dim (BY_ROWS)."""
     for d, warps in ((64, 2), (48, 2), (128, 1), (96, 1)):
         assert decode_launch.kernel_options("int4", d, False)["num_warps"] == warps, d
         assert decode_launch.kernel_options("int4", d, False, rows=32)["num_warps"] == 4, d
@@ -330,9 +338,11 @@ def test_the_plan_reads_the_shared_memory_of_the_models_float_width():
 
 
 def test_the_plan_counts_the_programs_of_the_tile_it_launches(monkeypatch):
-    """A tile of more rows takes more shared memory (kernels.json's SHARED by rows): INT4 d128's 16-row tile (four
-    query tokens of a GQA-4 group, or a GQA-16 step) 58.4 KB, three programs an SM where the step tile's 53.2 KB
-    hold four; the plan counts three, so its splits fill whole rounds of the programs that fit (an H100's 132 SMs)."""
+    """A tile of more rows takes another launch (kernels.json's BY_ROWS) and more shared memory (SHARED by rows):
+    INT4 d128's 16-row tile (four query tokens of a GQA-4 group, or a GQA-16 step) runs four warps at 168 registers,
+    three programs an SM where the step's one-warp launch holds four; int8g d128's 32-row tile 62.5 KB, three where
+    the step tile's 51.2 KB hold four. The plan counts three, so its splits fill whole rounds of the programs that
+    fit (an H100's 132 SMs)."""
     monkeypatch.setattr(tuning, "sm_count", lambda index: 132)
 
     def resident(precision, nq, groups=4):
