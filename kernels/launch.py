@@ -303,9 +303,9 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         raise ValueError(f"is_causal: the sm90 kernel masks causal calls of up to {most:,} queries and keys "
                          f"(positions compared as float32, exact below 2**24); got {nq:,} and {nk:,}")
     persistent = config["PERSISTENT"] if persistent is None else persistent
-    solo, consumers, stages, maxnreg = tuning.hopper_cta_shape(
-        d, persistent=persistent, variant=bool(window or chunk or softcap) or sinks is not None, solo=solo,
-        pv_tiles=pv_tiles, stages=stages)
+    variant = bool(window or chunk or softcap) or sinks is not None
+    solo, consumers, stages, maxnreg = tuning.hopper_cta_shape(d, persistent=persistent, variant=variant, solo=solo,
+                                                               pv_tiles=pv_tiles, stages=stages)
     block_n, d_pad = config["BLOCK_N"], tuning.padded_head_dim(d)
     descriptors = kv.derived.get(("hopper", block_n))
     if descriptors is None:
@@ -332,7 +332,9 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         WINDOW=bool(window), CHUNK=bool(chunk), SINKS=sinks is not None, SOFTCAP=bool(softcap),
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
-        SOLO=solo, num_warps=4, **tuning.register_cap(maxnreg),
+        SOLO=solo, S_FLOAT_BY_ADD=tuning.hopper_s_float_by_add(d, causal=is_causal, variant=variant,
+                                                              softcap=bool(softcap)),
+        num_warps=4, **tuning.register_cap(maxnreg),
     )
     return lse
 

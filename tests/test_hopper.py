@@ -77,7 +77,7 @@ for line in sys.stdin:
     kernel = ob.compile_sm90(**json.loads(line))
     ops = ob.opcode_counts(kernel)
     print(json.dumps({**ob.resources(kernel), "loop_local": ob.loop_local_memory(kernel),
-                      **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL")}}), flush=True)
+                      **{op: ops[op] for op in ("IGMMA", "QGMMA", "UTMALDG", "LDL", "STL", "I2FP")}}), flush=True)
 """
 _prober: dict = {}  # "process", "log": the child of this test process and the file its stderr goes to
 
@@ -426,6 +426,31 @@ def test_solo_register_cap_by_head_dim_and_variant(monkeypatch):
     assert _recorded_launch(monkeypatch, d=64, is_causal=True, window=1024)["maxnreg"] == 168
     assert _recorded_launch(monkeypatch, d=64, is_causal=False, softcap=30.0)["maxnreg"] == 168
     assert _recorded_launch(monkeypatch, d=64, is_causal=False, sinks=torch.zeros(2))["maxnreg"] == 168
+
+
+@needs_gluon
+def test_scores_become_floats_by_an_integer_add_where_kernels_json_says(monkeypatch):
+    """S_FLOAT_BY_ADD (kernels.json, by head dim and the call's kind): the launch turns it on for causal calls at
+    d64 and d128 and for full ones at d128 (faster on the H200), off for full d64 calls (1 % slower), windows,
+    chunks and sinks (not measured), soft-caps (the tanh needs the true scores) and head dim 256."""
+    on = {(64, True), (128, True), (128, False)}
+    for d in (64, 128):
+        for causal in (False, True):
+            assert _recorded_launch(monkeypatch, d=d, is_causal=causal)["S_FLOAT_BY_ADD"] == ((d, causal) in on)
+    assert not _recorded_launch(monkeypatch, is_causal=True, window=1024)["S_FLOAT_BY_ADD"]
+    assert not _recorded_launch(monkeypatch, is_causal=False, sinks=torch.zeros(2))["S_FLOAT_BY_ADD"]
+    assert not _recorded_launch(monkeypatch, is_causal=False, softcap=30.0)["S_FLOAT_BY_ADD"]
+    assert not _recorded_launch(monkeypatch, d=256, is_causal=True)["S_FLOAT_BY_ADD"]
+    assert not tuning.hopper_s_float_by_add(128, causal=False, variant=False, softcap=True)
+
+
+@needs_gluon
+def test_scores_turned_float_by_an_integer_add_leave_the_exp2_unit():
+    """The sm90 build with S_FLOAT_BY_ADD (full d128) converts no score by I2F, the quarter-rate unit exp2 uses:
+    its only I2FP is outside the main loop; without it (full d64) every score of a key tile takes one (64 a thread
+    a tile)."""
+    assert offline_report({"head_dim": 128})["I2FP"] <= 1
+    assert offline_report({"head_dim": 64})["I2FP"] >= 64
 
 
 @needs_gluon

@@ -97,16 +97,19 @@ def attention_kernel(
     P_LOG2: gl.constexpr, RETURN_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
     SPLIT: gl.constexpr, PV_TILES: gl.constexpr, CONSUMERS: gl.constexpr,
     WINDOW: gl.constexpr, CHUNK: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr, V_DITHER: gl.constexpr,
-    CAUSAL_SPLIT: gl.constexpr, SOLO: gl.constexpr,
+    CAUSAL_SPLIT: gl.constexpr, SOLO: gl.constexpr, S_FLOAT_BY_ADD: gl.constexpr,
 ):
     # the launch binds the arguments by name; the roles get them in three groups (params.py)
     gl.static_assert(not (SOLO and PERSISTENT), "a SOLO CTA runs one work item (its ring restarts at each)")
     gl.static_assert(not (CAUSAL_SPLIT and (WINDOW or CHUNK)), "the split counts tiles from key 0, not a span's start")
+    gl.static_assert(not (S_FLOAT_BY_ADD and (SOFTCAP or K_TOKEN_SCALE)),
+                     "the cap needs true scores, and δK per token would make the offset per element")
     gl.static_assert((SOLO and CONSUMERS == 1) or (not SOLO and CONSUMERS == 2),
                      "a SOLO CTA is one warpgroup; a warp-specialized one has two")
     BLOCK_M: gl.constexpr = 64 * CONSUMERS  # query rows of a work item
     cfg = Config(HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE, P_LOG2,
-                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT, SOLO)
+                 RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER, CAUSAL_SPLIT, SOLO,
+                 S_FLOAT_BY_ADD)
     prob = Problem(Q, Q_BAR, K_BAR, V_BAR, V_SCALE, KS, SPLIT_CHANNEL, KV_END, O, LSE, stride_qb, stride_qh,
                    stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od, HQ, GROUPS, NQ, NK, NK_PAD,
                    NUM_TILES, NUM_ITEMS, KC_ROW0, score_coef, sm_scale, window, chunk, SINK, softcap)

@@ -12,6 +12,7 @@ cores, the softmax of tile j+1 runs on the FP32/MUFU units:
     issue  S(j+1) = Q̂·K̂(j+1)ᵀ          INT8 wgmma, int32 accumulator
     issue  O += P̂(j)·V̂ᵀ(j)             FP8 wgmma accumulating in O (P̂ from registers)
     wait   S(j+1);  softmax(j+1):  s = S·δQ·δK·sm_scale·log2 e + ΔS + qc·kc,  m, l,  P = 2^(s − m + log2 448)
+                                   [S_FLOAT_BY_ADD: S → float by an integer add; s carries a row constant]
                                    [V_DITHER: ΔS includes log2 φ, V̂'s tile dither: l sums P / φ]
                                    (qc·kc: K's split channel, rank one; only for kv heads that have one)
                                    [SOFTCAP: s ← c·tanh(s_true / c)·log2 e, s_true = s / log2 e + sm_scale·q·k̄]
@@ -46,6 +47,7 @@ from .loader import load_tile
 from .scheduler import first_key
 
 _ROUND_MAGIC = gl.constexpr(formats.ROUND_MAGIC)
+_ROUND_MAGIC_BITS = gl.constexpr(formats.ROUND_MAGIC_BITS)
 _LOG2E = gl.constexpr(formats.LOG2E)
 _V_DITHER_LEVELS = gl.constexpr(formats.V_DITHER_LEVELS)
 _V_DITHER_STEP = gl.constexpr(formats.V_DITHER_STEP)
@@ -138,8 +140,16 @@ def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     NQ = prob.NQ
     NK = prob.NK
+    offset = 0.0  # S_FLOAT_BY_ADD: what s holds above the true score, the same for every key of a row
     if cfg.K_TOKEN_SCALE:
         s = qk.to(gl.float32) * (q_coef[:, None] * k_scale[None, :]) + ds[None, :]
+    elif cfg.S_FLOAT_BY_ADD:
+        # S + 1.5·2^23's bits read as float32 are 1.5·2^23 + S exactly (|S| < 2^22): an integer add, where I2F
+        # would take the quarter-rate unit that exp2 needs; the 1.5·2^23·δ it adds is a row constant, kept in s
+        # (one FFMA an element, as before) and taken out of the row maximum below
+        coef = q_coef * k_scale
+        s = (qk + _ROUND_MAGIC_BITS).to(gl.float32, bitcast=True) * coef[:, None] + ds[None, :]
+        offset = coef * _ROUND_MAGIC
     else:
         s = qk.to(gl.float32) * (q_coef * k_scale)[:, None] + ds[None, :]
     if cfg.SPLIT:  # the rank-one term of K's split channel (kc and q_split are 0 for kv heads without one)
@@ -165,9 +175,9 @@ def _softmax(cfg, prob, qk, q_coef, q_split, q_cap, cap_in, cap_out, ds, kc_tile
             offs_n = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))).to(gl.float32)
             offs_m = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, qk_layout))).to(gl.float32)
             s = gl.where(offs_n[None, :] <= offs_m[:, None] + (NK - NQ), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) - offset)
     m_use = _scaling_max(m_new)
-    p = gl.exp2(s - (m_use - cfg.P_LOG2)[:, None])
+    p = gl.exp2(s - (m_use + offset - cfg.P_LOG2)[:, None])
     alpha = gl.exp2(m_i - m_use)
     if cfg.V_DITHER:  # P carries the tile's dither φ (ΔS holds log2 φ, so m includes it and P̂ ≤ 448); l does not
         l_i = l_i * alpha + gl.fdiv(gl.sum(p, axis=1), _v_dither(tile))

@@ -45,9 +45,9 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
 
     d_pad = d_pad or tuning.padded_head_dim(head_dim)
     block_n = block_n or tuning.hopper_config(head_dim)["BLOCK_N"]
-    solo, consumers, stages, maxnreg = tuning.hopper_cta_shape(
-        head_dim, persistent=persistent, variant=window or chunk or sinks or softcap, solo=solo, pv_tiles=pv_tiles,
-        stages=stages)
+    variant = window or chunk or sinks or softcap
+    solo, consumers, stages, maxnreg = tuning.hopper_cta_shape(head_dim, persistent=persistent, variant=variant,
+                                                               solo=solo, pv_tiles=pv_tiles, stages=stages)
     pv_tiles = tuning.hopper_config(head_dim)["PV_TILES"] if pv_tiles is None else pv_tiles
     if causal_split is None:
         causal_split = tuning.hopper_causal_split(head_dim, causal=causal, variant_span=window or chunk, keys=keys)
@@ -77,7 +77,9 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                   "P_LOG2": P_LOG2_FP8, "RETURN_LSE": return_lse, "PERSISTENT": persistent, "SPLIT": split,
                   "PV_TILES": pv_tiles, "CONSUMERS": consumers, "WINDOW": window, "CHUNK": chunk, "SINKS": sinks,
                   "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split,
-                  "V_DITHER": tuning.v_dither(softcap), "SOLO": solo}
+                  "V_DITHER": tuning.v_dither(softcap), "SOLO": solo,
+                  "S_FLOAT_BY_ADD": tuning.hopper_s_float_by_add(head_dim, causal=causal, variant=variant,
+                                                                 softcap=softcap) and not k_token_scale}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names

@@ -34,7 +34,9 @@ class Config:
     (one extra logit per query head in the denominator, epilogue.py), SOFTCAP (c·tanh(s/c) on the scores).
     V_DITHER: V̂ was quantized with its tile dither (kernels/formats.py), whose log2 φ ΔS carries: l sums P / φ.
     CAUSAL_SPLIT: causal, the main loop split at the diagonal (mainloop.attend). SOLO: no loader warp; one
-    warpgroup loads its own tiles and runs each tile's steps in turn, several CTAs an SM (mainloop.attend_solo)."""
+    warpgroup loads its own tiles and runs each tile's steps in turn, several CTAs an SM (mainloop.attend_solo).
+    S_FLOAT_BY_ADD: the int32 scores become float32 by an integer add, not I2F (mainloop._softmax; per-tile δK,
+    no SOFTCAP)."""
     HEAD_DIM: gl.constexpr
     D_PAD: gl.constexpr
     BLOCK_M: gl.constexpr
@@ -56,11 +58,12 @@ class Config:
     V_DITHER: gl.constexpr
     CAUSAL_SPLIT: gl.constexpr
     SOLO: gl.constexpr
+    S_FLOAT_BY_ADD: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N, STAGES, QK_MAX, CAUSAL, HAS_KV_RANGE, K_TOKEN_SCALE,
                  P_LOG2, RETURN_LSE, PERSISTENT, SPLIT, PV_TILES, WINDOW, CHUNK, SINKS, SOFTCAP, V_DITHER,
-                 CAUSAL_SPLIT, SOLO):
+                 CAUSAL_SPLIT, SOLO, S_FLOAT_BY_ADD):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.D_PAD = gl.constexpr(D_PAD)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -82,6 +85,7 @@ class Config:
         self.V_DITHER = gl.constexpr(V_DITHER)
         self.CAUSAL_SPLIT = gl.constexpr(CAUSAL_SPLIT)
         self.SOLO = gl.constexpr(SOLO)
+        self.S_FLOAT_BY_ADD = gl.constexpr(S_FLOAT_BY_ADD)
 
 
 @aggregate
