@@ -333,7 +333,7 @@ def hopper_kernel_launch(q, hk: int, nk: int, kv: QuantizedKV, out, *, is_causal
         V_DITHER=kv.v_dither, CAUSAL_SPLIT=tuning.hopper_causal_split(d, causal=is_causal,
                                                                       variant_span=bool(window or chunk), keys=nk),
         SOLO=solo, S_FLOAT_BY_ADD=tuning.hopper_s_float_by_add(d, causal=is_causal, variant=variant,
-                                                              softcap=bool(softcap)),
+                                                              softcap=bool(softcap), split=kv.with_split),
         num_warps=4, **tuning.register_cap(maxnreg),
     )
     return lse

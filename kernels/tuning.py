@@ -146,13 +146,14 @@ def hopper_causal_split(head_dim: int, *, causal: bool, variant_span: bool, keys
     return causal and not variant_span and keys >= hopper_config(head_dim)["CAUSAL_SPLIT_FROM"]
 
 
-def hopper_s_float_by_add(head_dim: int, *, causal: bool, variant: bool, softcap: bool) -> bool:
+def hopper_s_float_by_add(head_dim: int, *, causal: bool, variant: bool, softcap: bool, split: bool) -> bool:
     """Whether the sm90 kernel turns its int32 scores into float32 by an integer add instead of I2F
     (kernels/hopper/mainloop.py _softmax): the head dim's S_FLOAT_BY_ADD for the call's kind — "variants" (a
     window, chunk, sinks or soft-cap), "causal" or "full" (kernels.json) — and never with a soft-cap, whose tanh
-    needs the true scores."""
+    needs the true scores, nor with K's split channel (opt-in): Triton 3.9 builds its causal d128 loop with the
+    row offset reloaded from local memory twice a tile (3.6: none)."""
     kind = "variants" if variant else "causal" if causal else "full"
-    return not softcap and bool(hopper_config(head_dim)["S_FLOAT_BY_ADD"][kind])
+    return not (softcap or split) and bool(hopper_config(head_dim)["S_FLOAT_BY_ADD"][kind])
 
 
 @functools.lru_cache(maxsize=None)

@@ -430,18 +430,20 @@ def test_solo_register_cap_by_head_dim_and_variant(monkeypatch):
 
 @needs_gluon
 def test_scores_become_floats_by_an_integer_add_where_kernels_json_says(monkeypatch):
-    """S_FLOAT_BY_ADD (kernels.json, by head dim and the call's kind): the launch turns it on for causal calls at
-    d64 and d128 and for full ones at d128 (faster on the H200), off for full d64 calls (1 % slower), windows,
-    chunks and sinks (not measured), soft-caps (the tanh needs the true scores) and head dim 256."""
+    """S_FLOAT_BY_ADD (kernels.json, by head dim and the call's kind): the launch turns it on for causal calls,
+    windows, chunks and sinks at d64 and d128 and for full ones at d128 (faster on the H200, or level), off for
+    full d64 calls (1 % slower), soft-caps (the tanh needs the true scores), K's split channel (Triton 3.9 reloads
+    its row offset from local memory in the causal loop) and head dim 256."""
     on = {(64, True), (128, True), (128, False)}
     for d in (64, 128):
         for causal in (False, True):
             assert _recorded_launch(monkeypatch, d=d, is_causal=causal)["S_FLOAT_BY_ADD"] == ((d, causal) in on)
-    assert not _recorded_launch(monkeypatch, is_causal=True, window=1024)["S_FLOAT_BY_ADD"]
-    assert not _recorded_launch(monkeypatch, is_causal=False, sinks=torch.zeros(2))["S_FLOAT_BY_ADD"]
-    assert not _recorded_launch(monkeypatch, is_causal=False, softcap=30.0)["S_FLOAT_BY_ADD"]
+        assert _recorded_launch(monkeypatch, d=d, is_causal=True, window=1024)["S_FLOAT_BY_ADD"]
+        assert _recorded_launch(monkeypatch, d=d, is_causal=False, sinks=torch.zeros(2))["S_FLOAT_BY_ADD"]
+        assert not _recorded_launch(monkeypatch, d=d, is_causal=False, softcap=30.0)["S_FLOAT_BY_ADD"]
     assert not _recorded_launch(monkeypatch, d=256, is_causal=True)["S_FLOAT_BY_ADD"]
-    assert not tuning.hopper_s_float_by_add(128, causal=False, variant=False, softcap=True)
+    assert not tuning.hopper_s_float_by_add(128, causal=False, variant=False, softcap=True, split=False)
+    assert not tuning.hopper_s_float_by_add(128, causal=True, variant=False, softcap=False, split=True)
 
 
 @needs_gluon

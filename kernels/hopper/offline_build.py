@@ -79,7 +79,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, k_token_scale: bool 
                   "SOFTCAP": softcap, "CAUSAL_SPLIT": causal_split,
                   "V_DITHER": tuning.v_dither(softcap), "SOLO": solo,
                   "S_FLOAT_BY_ADD": tuning.hopper_s_float_by_add(head_dim, causal=causal, variant=variant,
-                                                                 softcap=softcap) and not k_token_scale}
+                                                                 softcap=softcap, split=split) and not k_token_scale}
     for name in constexprs:
         signature[name] = "constexpr"
     names = attention_kernel.arg_names
