@@ -11,6 +11,8 @@ alternating rounds in one process so that the host's and the clock's drift falls
 ``triton.testing.do_bench`` (``timing.bench_ms``) each; TOPS = 4·B·H·d·(keys each query sees: N, or i + 1 for
 causal row i, at most the window) / time. Every shape first compares A's and B's outputs: ``--same-output``
 requires them bit for bit (a setting that only reorders work), else their largest difference is shown.
+``--whole-calls``: time ``hf_qattn.qattn`` instead (its K/V pass included, eager, the launch's own CTA shape),
+beside cuDNN's SDPA in the same rounds (full and causal shapes; no window or sinks there).
 """
 
 from __future__ import annotations
@@ -49,10 +51,14 @@ def main():
     parser.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     parser.add_argument("--sinks", action="store_true", help="a sink logit per query head (gpt-oss)")
     parser.add_argument("--same-output", action="store_true", help="require bit-identical outputs of A and B")
+    parser.add_argument("--whole-calls", action="store_true",
+                        help="time hf_qattn.qattn (K/V pass included) and cuDNN, not the kernel alone")
     args = parser.parse_args()
     # KEY=VALUE items split at a comma that starts the next KEY= (a JSON value may hold commas itself)
     overrides = {key: json.loads(value) for key, value in
                  (item.split("=", 1) for item in re.split(r",(?=[A-Z_0-9]+=)", args.set))}
+    if args.whole_calls:
+        return whole_calls(args, overrides)
     rows, failed = [], []
     for shape in args.shapes.split(","):
         d, causal, n = (int(x) for x in shape.split(":"))
@@ -100,6 +106,45 @@ def main():
     if failed:
         print("outputs differ:", ", ".join(failed))
         sys.exit(1)
+
+
+def whole_calls(args, overrides: dict) -> None:
+    """``hf_qattn.qattn`` with the tuned settings (A) and with ``overrides`` (B), and cuDNN's SDPA, in turns."""
+    import hf_qattn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if args.window or args.sinks:
+        raise SystemExit("--whole-calls: full and causal shapes only (no --window, --sinks)")
+    print(f"| call (TOPS, K/V pass included) | cuDNN | tuned | {args.set} | tuned / cuDNN | B / cuDNN | B / A |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        d, causal, n = (int(x) for x in shape.split(":"))
+        b, (hq, hk) = args.batch, (int(x) for x in (args.heads + "/" + args.heads).split("/")[:2])
+        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                                        enable_gqa=hq != hk)
+
+        def call(side):
+            use({} if side == "A" else overrides)
+            return lambda: hf_qattn.qattn(q, k, v, is_causal=bool(causal))
+
+        for side in "AB":
+            call(side)()
+        best = {"cuDNN": float("inf"), "A": float("inf"), "B": float("inf")}
+        for _ in range(args.rounds):
+            best["cuDNN"] = min(best["cuDNN"], bench_ms(cudnn, warmup=25, rep=100))
+            for side in "AB":
+                best[side] = min(best[side], bench_ms(call(side), warmup=25, rep=100))
+        use({})
+        gflop = 4 * b * hq * d * n * n * (0.5 if causal else 1.0) / 1e9
+        c, a, bb = (gflop / best[side] for side in ("cuDNN", "A", "B"))
+        print(f"| d{d} {'causal' if causal else 'full'} N{n} | {c:.0f} | {a:.0f} | {bb:.0f} | {a / c:.3f} | "
+              f"{bb / c:.3f} | {bb / a:.3f} |", flush=True)
+        del q, k, v
 
 
 if __name__ == "__main__":
