@@ -128,8 +128,9 @@ def append(k, v, k_bar, v_bar, buffers, pos0: int | torch.Tensor, launches: dict
 #   reloads in the loop): B8 64k −16 %, B1 128k −10 % a step (H200, decode-warps-*-2026-11-28.md section 6).
 #   int8g (two warps) likewise: B8 64k 384–398 µs against 465–470 with the rows tile (−16 %), B1 128k 122.6 against
 #   138.4 (−11 %; decode-NVIDIA-H200-2026-11-29.md and its previous run, section 6c); INT4 at one warp (above).
-# BY_ROWS: a format's launch for tiles of so many padded rows (several query tokens a step, GQA-16 and MQA steps),
-#   applied after BY_HEAD_DIM (a BY_ROWS inside BY_HEAD_DIM replaces the format's at that head dim). A one-warp
+# BY_ROWS: a format's launch for tiles from so many padded rows up (several query tokens a step, GQA-16 and MQA
+#   steps; the entry of the largest key not above the tile's rows), applied after BY_HEAD_DIM (a BY_ROWS inside
+#   BY_HEAD_DIM replaces the format's at that head dim). A one-warp
 #   program would hold 32 or 64 rows × 128 channels of fp32 output (INT8 64 rows: 25 KB of spills, offline sm_90
 #   build), so those tiles take four warps on three stages (undoing d128's four / five, set for the one-warp tile).
 #   At d128 uncapped (INT8 242–248 registers, no spills; INT8 capped at 128 and INT4 at 168 spilled 0.5–3.1 KB with
@@ -240,7 +241,8 @@ def _default_launch(precision: str, d_pad: int, interpreting: bool, rows: int = 
     settings = tuning.decode_config(interpreting)
     launch = settings["launch" if d_pad <= settings["WIDE_ABOVE"] else "launch_wide"][precision]
     launch = {**launch, **launch.get("BY_HEAD_DIM", {}).get(str(d_pad), {})}
-    return {**launch, **launch.get("BY_ROWS", {}).get(str(rows), {})}
+    from_rows = [int(key) for key in launch.get("BY_ROWS", {}) if int(key) <= rows]
+    return {**launch, **launch["BY_ROWS"][str(max(from_rows))]} if from_rows else launch
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,6 +38,15 @@ def use(overrides: dict):
     tuning.hopper_config = lambda head_dim: {**_tuned(head_dim), **overrides}
 
 
+def inputs(args, shape: str):
+    """(d, causal, n, b, hq, hk, q, k, v) of one ``head_dim:causal:N`` shape: random fp16, HND."""
+    d, causal, n = (int(x) for x in shape.split(":"))
+    b, (hq, hk) = args.batch, (int(x) for x in (args.heads + "/" + args.heads).split("/")[:2])
+    q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    return d, causal, n, b, hq, hk, q, k, v
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", required=True,
@@ -61,10 +70,7 @@ def main():
         return whole_calls(args, overrides)
     rows, failed = [], []
     for shape in args.shapes.split(","):
-        d, causal, n = (int(x) for x in shape.split(":"))
-        b, (hq, hk) = args.batch, (int(x) for x in (args.heads + "/" + args.heads).split("/")[:2])
-        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16)
-        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        d, causal, n, b, hq, hk, q, k, v = inputs(args, shape)
         sinks = torch.randn(hq, device="cuda") if args.sinks else None
         config = _tuned(d)
         kv = launch.quantize_kv(q, k, v, sm_scale=d ** -0.5, qk="int8", v_fp8=True, smooth_q=True, smooth_k=True,
@@ -118,10 +124,7 @@ def whole_calls(args, overrides: dict) -> None:
     print(f"| call (TOPS, K/V pass included) | cuDNN | tuned | {args.set} | tuned / cuDNN | B / cuDNN | B / A |")
     print("|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
-        d, causal, n = (int(x) for x in shape.split(":"))
-        b, (hq, hk) = args.batch, (int(x) for x in (args.heads + "/" + args.heads).split("/")[:2])
-        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.float16)
-        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        d, causal, n, b, hq, hk, q, k, v = inputs(args, shape)
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
